@@ -1,0 +1,90 @@
+"""The interface between the device cache and the tiers below it.
+
+Owns `KVBackend`, the contract every lower-tier store keeps with `KVCacheManager` (the pinned host
+tier of the ``native`` option, the tiered host/SSD/remote store of ``flexkv``). A backend stores
+*full* pages of a user's history as a contiguous prefix, each identified by its prefix hash
+(`gr_plugin.cache.hashing`), and exposes a pinned host table that the manager's transfer engine
+copies to and from. The manager calls every method while holding its lock; a backend does its own
+locking only for work it runs on other threads.
+
+Life of a page in a backend: ``reserve`` (slots taken, not readable) → the manager copies device
+pages into ``host_table[:, slots]`` → ``publish`` (readable; ``ok=False`` releases the slots).
+Reading: ``match`` (how many pages of a request's prefix are held) → ``acquire`` (slots, pinned
+against eviction) → the manager copies them to the device → ``release``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from gr_plugin.cache.config import KVCacheConfig
+
+Key = tuple[str, int]
+
+
+class KVBackend(ABC):
+    """Lower tiers below the device pages; see the module docstring for the protocol."""
+
+    #: names of the tiers this backend serves, upper first (e.g. ``("host",)``)
+    tier_names: tuple[str, ...] = ()
+
+    @abstractmethod
+    def bind(self, config: KVCacheConfig) -> None:
+        """Allocate storage for pages of ``config``'s shape."""
+
+    @property
+    @abstractmethod
+    def host_table(self) -> torch.Tensor:
+        """Pinned ``[num_layers, num_slots, 2, page_size, H, D]`` staging/storage table."""
+
+    @abstractmethod
+    def match(
+        self, key: Key, tokens: torch.Tensor, start: int, length: int, seed: int, min_pages: int = 0
+    ) -> dict[str, int]:
+        """Full pages of this history's prefix held per tier (cumulative: a lower tier's count
+        includes what the upper tiers hold). ``tokens[start:start+length]`` is the history.
+        A tier that cannot hold more than ``min_pages`` may answer 0 without hashing."""
+
+    @abstractmethod
+    def version(self, key: Key) -> int:
+        """Changes whenever what the backend holds for ``key`` changes (-1: nothing held)."""
+
+    @abstractmethod
+    def acquire(self, key: Key, first_page: int, num_pages: int) -> torch.Tensor | None:
+        """Host slots ``[num_pages]`` of pages ``[first_page, first_page + num_pages)``, pinned
+        against eviction until ``release``; ``None`` if they are no longer all held."""
+
+    @abstractmethod
+    def release(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def stored_pages(self, key: Key, page_hashes: list[int]) -> int:
+        """Length of the prefix of ``page_hashes`` already stored or being stored for ``key``."""
+
+    @abstractmethod
+    def reserve(self, key: Key, first_page: int, page_hashes: list[int]) -> torch.Tensor | None:
+        """Reserve slots for pages ``first_page..`` with these prefix hashes; ``None`` if full."""
+
+    @abstractmethod
+    def publish(self, key: Key, slots: torch.Tensor, ok: bool) -> None:
+        """Make reserved slots readable (``ok``) or give them back."""
+
+    @abstractmethod
+    def evict(self, key: Key) -> None:
+        """Drop what is stored for ``key`` (pinned pages stay until released)."""
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def check(self) -> None:
+        """Assert the backend's accounting invariants."""
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,172 @@
+"""CSR batch metadata: what kernels need to read and write one batch's pages.
+
+Owns `PagedBatchMetadata` and `build_metadata`, which turns the per-user page lists and lengths
+chosen by the manager into int64 tensors in one host pass and moves them to the cache device with a
+single copy. It knows nothing about users or tiers.
+
+Shapes (``B`` users, ``N`` new tokens, ``T`` history tokens, ``M`` pages in the batch):
+- ``kv_indptr [B+1]``, ``kv_indices [M]``, ``kv_last_page_len [B]``: the pages of each user's whole
+  history after this step (cached + new tokens), last page partly filled;
+- ``cached_lengths``, ``new_lengths``, ``total_lengths [B]`` and ``new_offsets``, ``total_offsets [B+1]``;
+- ``new_token_batch``, ``new_token_positions`` ``[N]`` (absolute place in the history), and the
+  derived ``new_token_slots [N]`` (``page * page_size + offset``, where append writes).
+"""
+
+from __future__ import annotations
+
+import functools
+from array import array
+
+import torch
+
+
+# Fields packed in the buffer, in order: (name, length in terms of B / pages / N).
+_FIELDS = (
+    ("kv_indptr", "B+1"),
+    ("kv_last_page_len", "B"),
+    ("cached_lengths", "B"),
+    ("new_lengths", "B"),
+    ("total_lengths", "B"),
+    ("new_offsets", "B+1"),
+    ("total_offsets", "B+1"),
+    ("kv_indices", "M"),
+    ("new_token_batch", "N"),
+    ("new_token_positions", "N"),
+)
+
+
+class PagedBatchMetadata:
+    """One batch's CSR metadata, packed in a single int64 ``buffer`` on the cache device.
+
+    Each field (see the module docstring) is a view of ``buffer`` made on first access, so a
+    step that copies the whole buffer into a static one (CUDA graphs) never builds the views, and
+    a kernel may read the buffer at ``field_offsets`` directly. Host ints (``batch_size``,
+    ``num_new_tokens``, ...) are plain attributes, so no field needs a device sync.
+    """
+
+    __slots__ = ("__dict__", "batch_size", "buffer", "field_offsets", "max_new_len", "max_total_len",
+                 "num_batch_pages", "num_new_tokens", "num_total_tokens", "page_size")
+
+    def __init__(self, buffer: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
+                 num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int) -> None:
+        self.buffer = buffer
+        self.page_size = page_size
+        self.batch_size = batch_size
+        self.num_new_tokens = num_new_tokens
+        self.num_total_tokens = num_total_tokens
+        self.num_batch_pages = num_batch_pages
+        self.max_new_len = max_new_len
+        self.max_total_len = max_total_len
+        sizes = {"B": batch_size, "B+1": batch_size + 1, "M": num_batch_pages, "N": num_new_tokens}
+        offsets, at = {}, 0
+        for name, size in _FIELDS:
+            offsets[name] = (at, at + sizes[size])
+            at += sizes[size]
+        assert at == buffer.numel(), f"metadata buffer has {buffer.numel()} entries, layout needs {at}"
+        self.field_offsets = offsets
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # NOTE: only called when the attribute is missing: builds and caches a field's view.
+        try:
+            offsets = object.__getattribute__(self, "field_offsets")
+        except AttributeError:
+            raise AttributeError(name) from None
+        if name not in offsets:
+            raise AttributeError(name)
+        a, b = offsets[name]
+        view = self.buffer[a:b]
+        self.__dict__[name] = view
+        return view
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @functools.cached_property
+    def new_token_slots(self) -> torch.Tensor:
+        """``[N]`` slot (``page * page_size + offset``) of each new token, where append writes.
+
+        Derived on the metadata's device from the fields above the first time it is read
+        (vectorised, no host work, no extra copy); kernels may compute it inline instead.
+        """
+        pos, P = self.new_token_positions, self.page_size
+        page_of = torch.div(pos, P, rounding_mode="floor")
+        return self.kv_indices[self.kv_indptr[:-1][self.new_token_batch] + page_of] * P + (pos - page_of * P)
+
+    def __repr__(self) -> str:
+        return (f"PagedBatchMetadata(batch_size={self.batch_size}, num_new_tokens={self.num_new_tokens}, "
+                f"num_total_tokens={self.num_total_tokens}, num_batch_pages={self.num_batch_pages}, "
+                f"page_size={self.page_size}, device={self.device})")
+
+
+_IOTA = array("q", range(4096))
+
+
+def _iota(stop: int) -> array:
+    global _IOTA
+    if stop > len(_IOTA):
+        _IOTA = array("q", range(max(stop, 2 * len(_IOTA))))
+    return _IOTA
+
+
+def _prefix_sums(values: list[int]) -> list[int]:
+    out = [0]
+    acc = 0
+    for v in values:
+        acc += v
+        out.append(acc)
+    return out
+
+
+def build_metadata(
+    page_lists: list[array],
+    cached_lengths: list[int],
+    total_lengths: list[int],
+    page_size: int,
+    device: torch.device,
+) -> PagedBatchMetadata:
+    """Build the batch metadata from host values in one pass; one host→device copy off the CPU.
+
+    ``page_lists[b]`` (``array('q')``) holds the pages of user ``b``'s first ``total_lengths[b]``
+    tokens, ``cached_lengths[b]`` of which are already in those pages.
+    """
+    # NOTE: everything is appended to one int64 array with C-speed extends (no per-token Python
+    # loop, no per-field tensor op), then viewed as a tensor and split into fields.
+    bsz = len(total_lengths)
+    new_lengths = [t - c for t, c in zip(total_lengths, cached_lengths)]
+    num_pages = [len(p) for p in page_lists]
+    last = [t - (n - 1) * page_size if n else 0 for t, n in zip(total_lengths, num_pages)]
+    kv_indptr = _prefix_sums(num_pages)
+    new_offsets = _prefix_sums(new_lengths)
+    total_offsets = _prefix_sums(total_lengths)
+    n_new, n_pages = new_offsets[-1], kv_indptr[-1]
+
+    buf = array("q", kv_indptr)
+    for part in (last, cached_lengths, new_lengths, total_lengths, new_offsets, total_offsets):
+        buf.extend(part)
+    for pages in page_lists:
+        buf.extend(pages)
+    one = array("q", [0])
+    for b, n in enumerate(new_lengths):
+        if n:
+            one[0] = b
+            buf.extend(one * n)
+    iota = _iota(max(total_lengths))
+    for c, t in zip(cached_lengths, total_lengths):
+        buf.extend(iota[c:t])
+
+    flat = torch.frombuffer(buf, dtype=torch.int64)
+    if device.type != "cpu":
+        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+        staged.copy_(flat)
+        flat = staged.to(device, non_blocking=True)
+    return PagedBatchMetadata(
+        flat,
+        page_size=page_size,
+        batch_size=bsz,
+        num_new_tokens=n_new,
+        num_total_tokens=total_offsets[-1],
+        num_batch_pages=n_pages,
+        max_new_len=max(new_lengths),
+        max_total_len=max(total_lengths),
+    )

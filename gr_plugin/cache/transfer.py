@@ -1,0 +1,250 @@
+"""Asynchronous page copies between two KV tables, layer by layer.
+
+Owns the copy engines and their handles; decides nothing about which pages move.
+- `ThreadTransferEngine`: one worker thread runs copies in FIFO order (CPU tables, CI); each layer
+  sets its own `threading.Event`.
+- `CudaTransferEngine`: copies run on dedicated side streams (one host→device, one device→host);
+  each layer records its own CUDA event. Host memory is pinned and staged through the caching host
+  allocator, so nothing on the request path synchronises with the device.
+
+A `CopyHandle` is the per-layer wait handle the model calls: ``wait_layer(l)`` returns once layer
+``l`` is usable by the caller (on CUDA it only makes the current stream wait, without blocking the
+host), ``wait()`` blocks until every layer is done, ``done()`` never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from gr_plugin.cache.paged_ops import copy_pages
+
+logger = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    """A page copy failed; the pages it was writing must not be published."""
+
+
+class CopyHandle(ABC):
+    num_layers: int
+    num_pages: int
+
+    @abstractmethod
+    def wait_layer(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def wait(self) -> None: ...
+
+    @abstractmethod
+    def done(self) -> bool: ...
+
+
+class DoneHandle(CopyHandle):
+    """A copy of nothing: every wait returns at once."""
+
+    def __init__(self, num_layers: int = 0) -> None:
+        self.num_layers = num_layers
+        self.num_pages = 0
+
+    def wait_layer(self, layer: int) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+class TransferEngine(ABC):
+    @abstractmethod
+    def copy(
+        self,
+        src: torch.Tensor,
+        src_pages: torch.Tensor,
+        dst: torch.Tensor,
+        dst_pages: torch.Tensor,
+    ) -> CopyHandle:
+        """Copy pages ``src[:, src_pages] -> dst[:, dst_pages]`` for every layer, asynchronously.
+
+        ``src_pages``/``dst_pages`` are int64 CPU ``[n]``. Work already queued on the caller's
+        stream (e.g. appends of the step being committed) is ordered before the copy.
+        """
+
+    def close(self) -> None:
+        return None
+
+
+class _ThreadHandle(CopyHandle):
+    def __init__(self, num_layers: int, num_pages: int) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self.error: BaseException | None = None
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise TransferError(f"page copy failed: {self.error!r}") from self.error
+
+    def wait_layer(self, layer: int) -> None:
+        self._events[layer].wait()
+        self._raise()
+
+    def wait(self) -> None:
+        if self.num_layers:
+            self._events[-1].wait()
+        self._raise()
+
+    def done(self) -> bool:
+        return not self.num_layers or self._events[-1].is_set()
+
+
+class ThreadTransferEngine(TransferEngine):
+    """Copies on one worker thread; the same code path as CUDA, for CPU tables."""
+
+    def __init__(self, name: str = "gr-kv-transfer") -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # NOTE: the worker holds the queue, not the engine, so a dropped engine is collected and
+        # its finalizer stops the thread.
+        self._thread = threading.Thread(target=_worker, args=(self._queue,), name=name, daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_worker, self._queue, self._thread)
+
+    def copy(self, src, src_pages, dst, dst_pages) -> CopyHandle:
+        handle = _ThreadHandle(src.shape[0], src_pages.numel())
+        if src_pages.numel() == 0:
+            for ev in handle._events:
+                ev.set()
+            return handle
+        self._queue.put((handle, lambda layer: copy_pages(src, src_pages, dst, dst_pages, layer)))
+        return handle
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _worker(q: queue.SimpleQueue) -> None:
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        handle, fn = item
+        try:
+            for layer in range(handle.num_layers):
+                fn(layer)
+                handle._events[layer].set()
+        except BaseException as exc:
+            logger.exception("page copy failed")
+            handle.error = exc
+        finally:
+            for ev in handle._events:
+                ev.set()
+
+
+def _stop_worker(q: queue.SimpleQueue, thread: threading.Thread) -> None:
+    # NOTE: queued copies finish first (FIFO); a worker still inside a torch op while the
+    # interpreter tears down would abort the process, and weakref.finalize runs at exit too.
+    q.put(None)
+    if thread is not threading.current_thread():
+        thread.join(timeout=30)
+
+
+class _CudaHandle(CopyHandle):
+    def __init__(self, events: list, num_pages: int, finalize: Callable[[], None] | None) -> None:
+        self.num_layers = len(events)
+        self.num_pages = num_pages
+        self._events = events
+        self._finalize = finalize
+        self._lock = threading.Lock()
+
+    def wait_layer(self, layer: int) -> None:
+        torch.cuda.current_stream().wait_event(self._events[layer])
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._finalize is not None:
+                fn, self._finalize = self._finalize, None
+                fn()
+
+    def wait(self) -> None:
+        if self._events:
+            self._events[-1].synchronize()
+        self._finish()
+
+    def done(self) -> bool:
+        if self._events and not self._events[-1].query():
+            return False
+        self._finish()
+        return True
+
+
+class CudaTransferEngine(TransferEngine):
+    """Copies between a CUDA table and a pinned host table on dedicated streams with per-layer events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.h2d_stream = torch.cuda.Stream(device=device)
+        self.d2h_stream = torch.cuda.Stream(device=device)
+
+    def copy(self, src, src_pages, dst, dst_pages) -> CopyHandle:
+        n = src_pages.numel()
+        if n == 0:
+            return DoneHandle(src.shape[0])
+        if dst.is_cuda and not src.is_cuda:
+            return self._onboard(src, src_pages, dst, dst_pages)
+        if src.is_cuda and not dst.is_cuda:
+            return self._offload(src, src_pages, dst, dst_pages)
+        raise ValueError(f"CudaTransferEngine copies host<->device, got {src.device} -> {dst.device}")
+
+    def _onboard(self, src, src_pages, dst, dst_pages) -> CopyHandle:
+        num_layers = src.shape[0]
+        caller = torch.cuda.current_stream(self.device)
+        stream = self.h2d_stream
+        events = []
+        with torch.cuda.stream(stream):
+            stream.wait_stream(caller)
+            idx = _pinned(dst_pages).to(self.device, non_blocking=True)
+            for layer in range(num_layers):
+                staged = torch.empty((src_pages.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True)
+                torch.index_select(src[layer], 0, src_pages, out=staged)
+                dst[layer].index_copy_(0, idx, staged.to(self.device, non_blocking=True))
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+        return _CudaHandle(events, src_pages.numel(), None)
+
+    def _offload(self, src, src_pages, dst, dst_pages) -> CopyHandle:
+        caller = torch.cuda.current_stream(self.device)
+        stream = self.d2h_stream
+        with torch.cuda.stream(stream):
+            stream.wait_stream(caller)
+            idx = _pinned(src_pages).to(self.device, non_blocking=True)
+            gathered = src.index_select(1, idx)
+            staged = torch.empty(gathered.shape, dtype=src.dtype, pin_memory=True)
+            staged.copy_(gathered, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+
+        def finalize() -> None:
+            dst.index_copy_(1, dst_pages, staged)
+
+        return _CudaHandle([ev], src_pages.numel(), finalize)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
+
+
+def make_transfer_engine(device: torch.device) -> TransferEngine:
+    if device.type == "cuda":
+        return CudaTransferEngine(device)
+    return ThreadTransferEngine()

@@ -1,0 +1,1 @@
+"""Thin Hydra entry points: compose a config, instantiate, run (``python -m recipes.<name>``)."""

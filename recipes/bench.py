@@ -1,0 +1,37 @@
+"""``python -m recipes.bench suite=<name>``: run one benchmark suite and write its table.
+
+Results go to ``out_dir/<suite>.json`` and ``.md`` (command, machine, date included); copy the
+table into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+
+from gr_plugin.bench import common, host_overhead
+
+logger = logging.getLogger(__name__)
+
+SUITES = {
+    "host_overhead": (host_overhead.run, host_overhead.COLUMNS, "Host overhead of lookup + allocate"),
+}
+
+
+@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if cfg.suite not in SUITES:
+        raise ValueError(f"unknown suite {cfg.suite!r}; choose one of {sorted(SUITES)}")
+    fn, columns, title = SUITES[cfg.suite]
+    kwargs = OmegaConf.to_container(cfg.get(cfg.suite, {}), resolve=True)
+    rows = fn(**kwargs)
+    table = common.write_results(cfg.suite, rows, columns, Path(to_absolute_path(cfg.out_dir)), title)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up .venv with gr_plugin and its pinned dependencies on a CPU machine (Python 3.11).
+# Idempotent: a stamp of the requirement files skips the work when nothing changed.
+# The order matters (see requirements/*.txt): torch first, torchrec without its deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${VENV:-.venv}
+stamp="$venv/.gr-setup-stamp"
+want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" -r requirements/cpu.txt
+"${pip[@]}" --no-deps -r requirements/nodeps.txt
+"${pip[@]}" -r requirements/base.txt
+"${pip[@]}" --no-deps --no-build-isolation -e . 2>/dev/null || "${pip[@]}" --no-deps -e .
+"$venv/bin/python" -c "import gr_plugin.cache, torchrec, fbgemm_gpu, lightning, hydra" 
+echo "$want" > "$stamp"
+echo "setup: $venv ready"

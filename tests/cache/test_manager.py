@@ -1,0 +1,231 @@
+"""Exact behaviour of KVCacheManager: page ids, hits, eviction order, rollback, bad input."""
+
+import pytest
+import torch
+
+from gr_plugin.cache import CacheRequest, HostTier, KVCacheManager, UserInFlightError
+
+from .helpers import history_tokens, run_step, tiny_config
+
+
+def make(num_pages=16, host_pages=0, **kw):
+    cfg = tiny_config(num_pages=num_pages, host_cache_bytes=host_pages * tiny_config().page_bytes, **kw)
+    return KVCacheManager(cfg, HostTier() if host_pages else None)
+
+
+def test_first_visit_misses_then_returning_user_hits_with_exact_pages():
+    m = make()
+    lk, plan = run_step(m, [7], [history_tokens(7, 10)])
+    assert lk.cached_tokens == [0] and plan.new_lengths == [10]
+    assert m.pages_of(7) == [0, 1, 2]  # FIFO free queue: deterministic ids
+    lk, plan = run_step(m, [7], [history_tokens(7, 13)])
+    assert lk.device_tokens == [10] and plan.cached_lengths == [10] and plan.new_lengths == [3]
+    # the partial tail page 2 is reused in place; one new page
+    assert plan.metadata.new_token_slots.tolist() == [2 * 4 + 2, 2 * 4 + 3, 3 * 4 + 0]
+    assert m.pages_of(7) == [0, 1, 2, 3]
+    assert m.cached_length(7) == 13
+    m.check()
+
+
+def test_same_history_again_is_a_full_hit_with_nothing_to_compute():
+    m = make()
+    run_step(m, [1], [history_tokens(1, 8)])
+    _lk, plan = run_step(m, [1], [history_tokens(1, 8)])
+    assert plan.cached_lengths == [8] and plan.metadata.num_new_tokens == 0
+    assert m.counters.tokens_computed == 8 and m.counters.tokens_reused_device == 8
+
+
+def test_edited_history_is_a_partial_hit_never_a_false_one():
+    m = make()
+    run_step(m, [1], [history_tokens(1, 14)])
+    edited = history_tokens(1, 16, edit_at=9)  # page 2 (tokens 8..11) differs
+    lk, plan = run_step(m, [1], [edited])  # run_step checks every value read back
+    assert lk.device_tokens == [8] and plan.new_lengths == [8]
+    m.check()
+    # the old pages after the edit were released at commit
+    assert len(m.pages_of(1)) == 4
+
+
+def test_shorter_history_reuses_whole_pages_only():
+    m = make()
+    run_step(m, [1], [history_tokens(1, 14)])
+    lk, plan = run_step(m, [1], [history_tokens(1, 10)])
+    assert lk.device_tokens == [8] and plan.new_lengths == [2]
+    assert m.cached_length(1) == 10
+
+
+def test_namespace_change_never_reads_other_namespace():
+    m = make()
+    run_step(m, [1], [history_tokens(1, 8)])
+    m.set_namespace("v2")
+    lk, _ = run_step(m, [1], [history_tokens(1, 8)])
+    assert lk.cached_tokens == [0]
+    m.set_namespace("test")
+    lk, _ = run_step(m, [1], [history_tokens(1, 8)], outcome="none")
+    assert lk.cached_tokens == [8]
+
+
+def test_lru_eviction_order_is_exact_and_skips_batch_users():
+    m = make(num_pages=8)
+    for u in (1, 2, 3):
+        run_step(m, [u], [history_tokens(u, 8)])  # 2 pages each
+    run_step(m, [1], [history_tokens(1, 8)])  # touch 1: order 2, 3, 1
+    assert m.lru_order() == [2, 3, 1]
+    # user 4 needs 4 pages, 2 free: evicts 2 (LRU) only
+    run_step(m, [4], [history_tokens(4, 16)])
+    assert m.lru_order() == [3, 1, 4]
+    assert m.counters.evicted_users == 1
+    # user 3 (LRU) grows by 4 pages: 0 free, evicting 3 itself is not allowed -> 1 then 4 go
+    run_step(m, [3], [history_tokens(3, 24)])
+    assert m.lru_order() == [3]
+    m.check()
+
+
+def test_pinned_users_are_never_evicted_and_too_big_returns_none_unchanged():
+    m = make(num_pages=6)
+    run_step(m, [1], [history_tokens(1, 8)])
+    _, held = run_step(m, [2], [history_tokens(2, 8)], outcome="none")  # in flight: pinned
+    # needs 4 pages: 2 free + user 1's 2 evictable = 4 -> fits by evicting 1
+    _, plan = run_step(m, [3], [history_tokens(3, 16)], outcome="none")
+    assert plan is not None and m.lru_order() == [2, 3]
+    m.abort(plan)
+    # now 4 free + nothing evictable (2 is pinned): 5 pages do not fit -> None, nothing changed
+    before = (m.lru_order(), m.stats()["device_pages_free"])
+    _lk, plan = run_step(m, [4], [history_tokens(4, 20)])
+    assert plan is None and m.counters.alloc_failures == 1
+    assert (m.lru_order(), m.stats()["device_pages_free"]) == before
+    # more pages than exist at all -> None
+    assert run_step(m, [5], [history_tokens(5, 4 * 7)])[1] is None
+    m.commit(held)
+    m.check()
+
+
+def test_abort_rolls_back_pages_and_entries():
+    m = make()
+    run_step(m, [1], [history_tokens(1, 6)])
+    free_before, pages_before = m.stats()["device_pages_free"], m.pages_of(1)
+    run_step(m, [1, 2], [history_tokens(1, 13), history_tokens(2, 5)], outcome="abort")
+    assert m.stats()["device_pages_free"] == free_before
+    assert m.pages_of(1) == pages_before and m.cached_length(1) == 6
+    assert m.cached_length(2) == 0 and 2 not in m.lru_order()
+    # the tail slots written by the aborted step are not visible: values still read back exactly
+    lk, _ = run_step(m, [1], [history_tokens(1, 9)])
+    assert lk.device_tokens == [6]
+    m.check()
+
+
+def test_user_in_two_steps_at_once_is_refused_without_changes():
+    m = make()
+    _, plan = run_step(m, [1], [history_tokens(1, 4)], outcome="none")
+    req = CacheRequest([2, 1], [4, 4], torch.cat([history_tokens(2, 4), history_tokens(1, 4)]))
+    free = m.stats()["device_pages_free"]
+    with pytest.raises(UserInFlightError, match="user 1"):
+        m.allocate(m.lookup(req))
+    assert m.stats()["device_pages_free"] == free and m.lru_order() == [1]
+    with pytest.raises(ValueError, match="in-flight"):
+        m.evict([1])
+    m.commit(plan)
+    with pytest.raises(ValueError, match="not in flight"):
+        m.commit(plan)
+    m.check()
+
+
+def test_evict_and_evict_all():
+    m = make(host_pages=8)
+    run_step(m, [1, 2], [history_tokens(1, 8), history_tokens(2, 8)])
+    assert m.evict([1, 99]) == 1
+    assert m.lru_order() == [2]
+    lk, _ = run_step(m, [1], [history_tokens(1, 8)], outcome="none")
+    assert lk.device_tokens == [0] and lk.cached_tokens == [8]  # still in the host tier
+    m.abort(_)
+    m.evict([1], all_tiers=True)
+    assert m.lookup(CacheRequest([1], [8], history_tokens(1, 8))).cached_tokens == [0]
+    m.evict_all(all_tiers=True)
+    assert m.lru_order() == [] and m.stats()["device_pages_free"] == 16
+    assert m.stats()["host_slots_used"] == 0
+    m.check()
+
+
+def test_host_tier_round_trip_onboards_exact_bytes_layerwise():
+    m = make(num_pages=8, host_pages=16)
+    run_step(m, [1], [history_tokens(1, 15)])  # 3 full pages written through
+    m.offload_flush()
+    assert m.counters.offload_pages == 3
+    m.evict([1])
+    lk, plan = run_step(m, [1], [history_tokens(1, 18)])  # values checked after each layer's wait
+    assert lk.device_tokens == [0] and lk.tier_tokens["host"] == [12]
+    assert plan.onboard_tokens == [12] and plan.new_lengths == [6]
+    assert m.counters.onboard_pages == 3 and m.counters.tokens_reused_host == 12
+    m.offload_flush()
+    m.check()
+
+
+def test_host_tier_with_device_prefix_onboards_only_the_missing_pages():
+    m = make(num_pages=8, host_pages=16)
+    run_step(m, [1], [history_tokens(1, 16)])
+    m.offload_flush()
+    m.evict([1])
+    # re-seed the device with just the first page, then ask for more: pages 1..3 come from host
+    run_step(m, [1], [history_tokens(1, 4)])
+    m.offload_flush()
+    lk, plan = run_step(m, [1], [history_tokens(1, 17)])
+    assert lk.device_tokens == [4] and lk.cached_tokens == [16]
+    assert plan.device_tokens == [4] and plan.onboard_tokens == [12]
+    m.check()
+
+
+@pytest.mark.parametrize(
+    ("users", "lengths", "rows", "match"),
+    [
+        ([], [], 0, "empty batch"),
+        ([1, 1], [2, 2], 4, "more than once"),
+        ([1, 2], [2], 2, "history_lengths has 1"),
+        ([1], [-1], 0, "negative history length -1"),
+        ([1], [3], 4, "4 rows"),
+    ],
+)
+def test_bad_requests_raise_and_change_nothing(users, lengths, rows, match):
+    m = make()
+    run_step(m, [5], [history_tokens(5, 6)])
+    snapshot = (m.lru_order(), m.stats())
+    with pytest.raises(ValueError, match=match):
+        CacheRequest(users, lengths, torch.zeros(rows, dtype=torch.int64))
+    assert (m.lru_order(), m.stats()) == snapshot
+
+
+def test_bad_tokens_and_offsets():
+    with pytest.raises(ValueError, match="int64"):
+        CacheRequest([1], [2], torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float"):
+        CacheRequest(torch.tensor([1.0]), [2], torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="decrease at index 2: 5 -> 3"):
+        CacheRequest.from_offsets([1, 2], [0, 5, 3], torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="shape"):
+        CacheRequest([1], [2], torch.zeros(2, 2, 2, dtype=torch.int64))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CPU"):
+            CacheRequest([1], [2], torch.zeros(2, dtype=torch.int64, device="cuda"))
+
+
+def test_bad_append_raises_and_leaves_pages_untouched():
+    m = make()
+    _, plan = run_step(m, [1], [history_tokens(1, 5)], outcome="none", check_values=True)
+    table = m.kv_table.clone()
+    n = plan.metadata.num_new_tokens
+    good = torch.zeros(n, 2, 4)
+    with pytest.raises(ValueError, match="shape"):
+        m.append(0, torch.zeros(n + 1, 2, 4), good, plan)
+    with pytest.raises(ValueError, match=r"torch\.float32"):
+        m.append(0, good.double(), good, plan)
+    with pytest.raises(ValueError, match="layer 5"):
+        m.append(5, good, good, plan)
+    assert torch.equal(m.kv_table, table)
+    m.abort(plan)
+    with pytest.raises(ValueError, match="not in flight"):
+        m.append(0, good, good, plan)
+
+
+def test_kv_table_shape_is_checked():
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match="kv_table"):
+        KVCacheManager(cfg, kv_table=torch.zeros(1, 2, 3))
