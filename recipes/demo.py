@@ -11,8 +11,7 @@ import logging
 
 import torch
 
-from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
-from gr_plugin.cache import paged_ops
+from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager, paged_ops
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,8 @@ def main(num_users: int = 6, visits: int = 4, events_per_visit: int = 40) -> dic
                 slots = paged_ops.sequence_slots(meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                                  meta.total_offsets, cfg.page_size, meta.num_total_tokens)
                 got, _ = paged_ops.gather_kv(manager.kv_table[layer], slots)
-                assert torch.equal(got, torch.cat([_kv(h, layer, 2, 8) for h in hs])), "cache returned wrong K"
+                want = torch.cat([_kv(h, layer, 2, 8) for h in hs])
+                assert torch.equal(got, want), "cache returned wrong K"
             manager.commit(plan)
             print(f"{visit:>5} {len(batch):>5} {meta.num_total_tokens:>8} {sum(plan.cached_lengths):>7} "
                   f"{sum(plan.onboard_tokens):>9} {meta.num_new_tokens:>8}")

@@ -32,7 +32,8 @@ def machine_description() -> str:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = 0
-    desc = f"{platform.system()} {cpu}, {cores} cores, python {platform.python_version()}, torch {torch.__version__}"
+    desc = (f"{platform.system()} {cpu}, {cores} cores, python {platform.python_version()}, "
+            f"torch {torch.__version__}")
     if torch.cuda.is_available():
         desc += f", {torch.cuda.get_device_name()}"
     return desc

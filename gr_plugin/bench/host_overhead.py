@@ -11,11 +11,12 @@ K/V dims are tiny: the host path does not depend on them. Device syncs are count
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
-from gr_plugin.bench.common import count_device_syncs, summarize, timed_us
+from gr_plugin.bench.common import count_device_syncs, summarize
 from gr_plugin.cache import CacheRequest, KVCacheConfig, KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -28,58 +29,61 @@ def _history(user: int, length: int) -> torch.Tensor:
     return (item << 24) | ((item % 5) << 16) | (item % 97)
 
 
+def measure(bs: int, hist: int, page_size: int, new_tokens: int, repeats: int, device: str) -> dict[str, Any]:
+    """One row: ``bs`` returning users with ``hist - new_tokens`` of ``hist`` events cached."""
+    pages_needed = bs * (-(-hist // page_size) + 2) * 2
+    cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=1, page_size=page_size,
+                        num_pages=pages_needed, device=device)
+    m = KVCacheManager(cfg)
+    users = list(range(bs))
+    hists = [_history(u, hist) for u in users]
+    cached = hist - new_tokens
+    warm = CacheRequest(users, [cached] * bs, torch.cat([h[:cached] for h in hists]))
+    rows, lengths = torch.cat(hists), [hist] * bs
+    m.commit(m.allocate(m.lookup(warm)))
+
+    def step():
+        return m.allocate(m.lookup(CacheRequest(users, lengths, rows)))
+
+    for _ in range(10):
+        m.abort(step())
+    with count_device_syncs() as syncs:
+        plan = step()
+    m.abort(plan)
+    totals, lookups, commits = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lk = m.lookup(CacheRequest(users, lengths, rows))
+        t1 = time.perf_counter()
+        plan = m.allocate(lk)
+        t2 = time.perf_counter()
+        assert plan.cached_lengths == [cached] * bs
+        m.abort(plan)
+        lookups.append((t1 - t0) * 1e6)
+        totals.append((t2 - t0) * 1e6)
+    for _ in range(min(repeats, 50)):
+        plan = step()
+        t0 = time.perf_counter()
+        m.commit(plan)
+        commits.append((time.perf_counter() - t0) * 1e6)
+        m.evict(users)  # back to the warm state
+        m.commit(m.allocate(m.lookup(warm)))
+    m.close()
+    total, look, com = summarize(totals), summarize(lookups), summarize(commits)
+    return {
+        "batch": bs, "history": hist, "cached": cached, "page_size": page_size, "device": device,
+        "lookup_us_p50": look["p50"], "lookup_allocate_us_p50": total["p50"],
+        "lookup_allocate_us_p90": total["p90"], "commit_us_p50": com["p50"], "device_syncs": syncs[0],
+    }
+
+
 def run(batch_sizes=(1, 8), history_lens=(1024, 4096), page_size: int = 32, new_tokens: int = 128,
         repeats: int = 200, device: str = "cpu") -> list[dict[str, Any]]:
     rows = []
     for hist in history_lens:
         for bs in batch_sizes:
-            pages_needed = bs * (-(-hist // page_size) + 2) * 2
-            cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=1, page_size=page_size,
-                                num_pages=pages_needed, device=device)
-            m = KVCacheManager(cfg)
-            users = list(range(bs))
-            hists = [_history(u, hist) for u in users]
-            # warm: every user has hist - new_tokens cached
-            warm = CacheRequest(users, [hist - new_tokens] * bs, torch.cat([h[: hist - new_tokens] for h in hists]))
-            m.commit(m.allocate(m.lookup(warm)))
-            rows_all = torch.cat(hists)
-            lengths = [hist] * bs
-
-            def step():
-                req = CacheRequest(users, lengths, rows_all)
-                return m.allocate(m.lookup(req))
-
-            for _ in range(10):
-                m.abort(step())
-            with count_device_syncs() as syncs:
-                plan = step()
-            m.abort(plan)
-            times = []
-            lookup_times = []
-            for _ in range(repeats):
-                t, lk = timed_us(lambda: m.lookup(CacheRequest(users, lengths, rows_all)), 1)
-                lookup_times += t
-                t2, plan = timed_us(lambda lk=lk: m.allocate(lk), 1)
-                times.append(t[0] + t2[0])
-                assert plan.cached_lengths == [hist - new_tokens] * bs
-                m.abort(plan)
-            # commit: each iteration commits the new tokens of a fresh copy of the cache state
-            commit_times = []
-            for _ in range(min(repeats, 50)):
-                plan = step()
-                t, _ = timed_us(lambda plan=plan: m.commit(plan), 1)
-                commit_times += t
-                m.evict(users)
-                m.commit(m.allocate(m.lookup(warm)))
-            total, look, com = summarize(times), summarize(lookup_times), summarize(commit_times)
-            rows.append({
-                "batch": bs, "history": hist, "cached": hist - new_tokens, "page_size": page_size,
-                "device": device, "lookup_us_p50": look["p50"], "lookup_allocate_us_p50": total["p50"],
-                "lookup_allocate_us_p90": total["p90"], "commit_us_p50": com["p50"],
-                "device_syncs": syncs[0],
-            })
+            rows.append(measure(bs, hist, page_size, new_tokens, repeats, device))
             logger.info("host overhead %s", rows[-1])
-            m.close()
     return rows
 
 

@@ -227,7 +227,8 @@ class KVCacheManager:
                 entry = entries.get(key)
                 if entry is not None and entry.in_plan:
                     raise UserInFlightError(f"user {key[1]} is already in an in-flight step")
-                ver = (-1 if entry is None else entry.version, -1 if backend is None else backend.version(key))
+                ver = (-1 if entry is None else entry.version,
+                       -1 if backend is None else backend.version(key))
                 if ver == lookup.versions[b]:
                     d, hp = lookup.device_tokens[b], host_seen[b] if backend is not None else 0
                 else:

@@ -19,7 +19,6 @@ from array import array
 
 import torch
 
-
 # Fields packed in the buffer, in order: (name, length in terms of B / pages / N).
 _FIELDS = (
     ("kv_indptr", "B+1"),
