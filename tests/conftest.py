@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_slow = pytest.mark.skip(reason="slow: pass --run-slow (or GR_RUN_SLOW=1)")
     skip_gpu = pytest.mark.skip(reason="gpu: no CUDA device here")
     for item in items:
-        if "slow" in item.keywords and not run_slow:
+        if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(skip_slow)
-        if "gpu" in item.keywords and not has_gpu:
+        if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(skip_gpu)

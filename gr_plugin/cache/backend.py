@@ -35,6 +35,11 @@ class KVBackend(ABC):
     def bind(self, config: KVCacheConfig) -> None:
         """Allocate storage for pages of ``config``'s shape."""
 
+    def rebind(self, config: KVCacheConfig) -> None:
+        """The device table moved or changed dtype (its contents were cleared if the dtype
+        changed): adapt storage that depends on it (pinning, dtype)."""
+        self.bind(config)
+
     @property
     @abstractmethod
     def host_table(self) -> torch.Tensor:

@@ -66,11 +66,21 @@ class HostTier(KVBackend):
                 f"host tier needs host_cache_bytes >= one page ({config.page_bytes} bytes), "
                 f"got {config.host_cache_bytes}"
             )
-        pin = self._pin if self._pin is not None else config.torch_device.type == "cuda"
+        device = config.torch_device
+        pin = self._pin if self._pin is not None else device.type == "cuda"
         shape = (config.num_layers, num_slots, 2, config.page_size, config.num_heads, config.head_dim)
+        old = self._table
+        if old is not None and old.shape == shape and old.dtype == config.torch_dtype and (
+                old.is_pinned() or not pin) and (old.device.type == "meta") == (device.type == "meta"):
+            return  # storage fits as it is: keep what it holds
+        if self._entries:
+            raise ValueError("host tier storage can only be replaced while it is empty")
         # NOTE: empty, not zeros: only published slots are ever read, and zeroing GBs of pinned
-        # memory would stall start-up.
-        self._table = torch.empty(shape, dtype=config.torch_dtype, pin_memory=pin)
+        # memory would stall start-up. A cache built on the meta device holds no host memory.
+        if device.type == "meta":
+            self._table = torch.empty(shape, dtype=config.torch_dtype, device="meta")
+        else:
+            self._table = torch.empty(shape, dtype=config.torch_dtype, pin_memory=pin)
         self._free = deque(range(num_slots))
         self._num_slots = num_slots
 

@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 AppendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def _config_dtypes() -> dict[str, torch.dtype]:
+    from gr_plugin.cache.config import _DTYPES
+
+    return _DTYPES
+
+
 class UserInFlightError(RuntimeError):
     """A user is already part of a step that has not been committed or aborted."""
 
@@ -114,6 +120,41 @@ class KVCacheManager:
         self._clock = 0
         self._stats = KVCacheStats()
         self.set_namespace(config.namespace)
+
+    def rebind(self, kv_table: torch.Tensor) -> None:
+        """Adopt a moved or cast copy of the device table (``nn.Module.to()`` made it).
+
+        A new device keeps the cached contents; a new dtype clears every tier (values cast to
+        another precision are not what the model would compute in it). Refused while a step is in
+        flight.
+        """
+        with self._lock:
+            if self._plans:
+                raise ValueError(
+                    f"{len(self._plans)} steps are in flight; commit or abort them before moving the cache")
+            self._drain()
+            if tuple(kv_table.shape) != tuple(self.kv_table.shape):
+                raise ValueError(f"kv_table shape {tuple(kv_table.shape)} != {tuple(self.kv_table.shape)}")
+            dtype_names = {v: k for k, v in _config_dtypes().items()}
+            if kv_table.dtype not in dtype_names:
+                raise ValueError(f"kv_table dtype {kv_table.dtype} is not a cache dtype")
+            new_cfg = dataclasses.replace(self.config, device=str(kv_table.device),
+                                          dtype=dtype_names[kv_table.dtype])
+            moved = kv_table.device != self.kv_table.device
+            recast = kv_table.dtype != self.kv_table.dtype
+            self.kv_table = kv_table
+            self.config = new_cfg
+            self.device = kv_table.device
+            if recast:
+                for key in list(self._entries):
+                    self._drop(key, self._entries[key])
+            if self.backend is not None and (recast or moved):
+                if recast:
+                    self.backend.clear()
+                self.backend.rebind(new_cfg)
+            if moved:
+                self.transfer.close()
+                self.transfer = make_transfer_engine(self.device)
 
     # ------------------------------------------------------------------ identity
     def set_namespace(self, namespace: str) -> None:

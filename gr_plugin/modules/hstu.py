@@ -1,0 +1,177 @@
+"""The HSTU ranking model: torchrec embeddings, HSTU layers, a multi-task head over candidates.
+
+Owns the model's parameters and its two forward paths over one set of weights:
+- ``forward(history, candidates)``: the full pass (training, and the no-cache oracle);
+- ``forward_cached(history, candidates, cache, plan)``: only the uncached history events and the
+  candidates are embedded and projected; new history K/V go into the cache's pages and attention
+  reads cached + new history from them.
+Per layer: ``u, v, q, k = split(SiLU(Linear(LN(x))))``, ``a = attention(q, k, v)`` (HSTU mask,
+fixed ``n_norm``), ``y = x + Linear(LN(a) * u)``. It does not own the cache's lifecycle
+(lookup/commit): `KVCacheModule` and the integrations do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gr_plugin.modules.tokens import (
+    EMBEDDING_KEYS,
+    TokenLayout,
+    build_token_layout,
+    check_inputs,
+    validate_values,
+)
+from gr_plugin.ops import hstu_attention_jagged
+
+if TYPE_CHECKING:
+    from gr_plugin.cache import BatchPlan
+    from gr_plugin.modules.kv_cache import KVCacheModule
+
+
+# NOTE: leaves for torch.fx: they need host ints (sizes), so tracing records the calls, not their bodies.
+torch.fx.wrap("build_token_layout")
+torch.fx.wrap("check_inputs")
+torch.fx.wrap("hstu_attention_jagged")
+
+
+@dataclasses.dataclass
+class HSTUConfig:
+    """Model shape. ``n_norm`` is the fixed attention normaliser; ``alpha`` defaults to
+    ``1/sqrt(head_dim)``. Item ids are ``1..num_items`` (0 = padding); actions ``0..num_actions-1``
+    (0 = unknown, used for candidates); positions at or past ``max_positions`` share the last one."""
+
+    num_items: int = 3706
+    num_actions: int = 6
+    num_time_buckets: int = 64
+    max_positions: int = 4096
+    embedding_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    n_norm: float = 256.0
+    alpha: float | None = None
+    dropout: float = 0.0
+    num_tasks: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_items", "num_actions", "num_time_buckets", "max_positions", "embedding_dim",
+                     "num_layers", "num_heads", "head_dim", "num_tasks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"HSTUConfig.{name} must be a positive int, got {v!r}")
+        if not self.n_norm > 0:
+            raise ValueError(f"HSTUConfig.n_norm must be > 0, got {self.n_norm!r}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ValueError(f"HSTUConfig.alpha must be > 0 or None, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"HSTUConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def attention_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 1.0 / math.sqrt(self.head_dim)
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, config: HSTUConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        d, hd = config.embedding_dim, config.num_heads * config.head_dim
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.alpha, self.n_norm = config.attention_alpha, config.n_norm
+        self.input_norm = nn.LayerNorm(d, device=device)
+        self.uvqk = nn.Linear(d, 4 * hd, device=device)
+        self.attn_norm = nn.LayerNorm(hd, device=device)
+        self.output = nn.Linear(hd, d, device=device)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``."""
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
+
+    def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        a = self.attn_norm(attn.reshape(attn.shape[0], -1))
+        return x + self.dropout(self.output(a * u))
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        u, q, k, v = self.project(x)
+        attn = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=self.alpha,
+                                     n_norm=self.n_norm, max_seq_len=layout.max_q_len)
+        return self.finish(x, u, attn)
+
+
+class HSTURanker(nn.Module):
+    """HSTU ranking over a history KJT (keys ``item, action, time``) and a candidates KJT (key
+    ``item``), both with ``B`` users; returns candidate logits ``[sum(C), num_tasks]``."""
+
+    def __init__(self, config: HSTUConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config = config
+        d = config.embedding_dim
+        sizes = {"item": config.num_items + 1, "action": config.num_actions,
+                 "time": config.num_time_buckets, "position": config.max_positions}
+        self.embeddings = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=k, embedding_dim=d, num_embeddings=sizes[k], feature_names=[k])
+                    for k in EMBEDDING_KEYS],
+            device=device,
+        )
+        self.layers = nn.ModuleList(HSTULayer(config, device) for _ in range(config.num_layers))
+        self.output_norm = nn.LayerNorm(d, device=device)
+        self.head = nn.Linear(d, config.num_tasks, device=device)
+
+    def _embed(self, layout: TokenLayout) -> torch.Tensor:
+        out = self.embeddings(layout.features)
+        x = out[EMBEDDING_KEYS[0]].values()
+        for key in EMBEDDING_KEYS[1:]:
+            x = x + out[key].values()
+        return x
+
+    def _head(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        return self.head(self.output_norm(x[layout.candidate_rows]))
+
+    def forward(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> torch.Tensor:
+        """The full pass: every history event and candidate is embedded and attended."""
+        check_inputs(history, candidates)
+        layout = build_token_layout(history, candidates, None, self.config.max_positions)
+        x = self._embed(layout)
+        for layer in self.layers:
+            x = layer(x, layout)
+        return self._head(x, layout)
+
+    def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
+                       cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
+                       max_candidates: int | None = None) -> torch.Tensor:
+        """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
+        read from the cache's pages; the rest are computed and appended. Same logits as
+        ``forward`` (to float rounding). ``num_candidates``/``max_candidates`` (host ints)
+        avoid device syncs."""
+        check_inputs(history, candidates)
+        meta = plan.metadata
+        if meta.batch_size != history.stride():
+            raise ValueError(f"plan is for {meta.batch_size} users, the request has {history.stride()}")
+        layout = build_token_layout(
+            history, candidates, meta.cached_lengths, self.config.max_positions,
+            None if num_candidates is None else meta.num_new_tokens + num_candidates,
+            None if max_candidates is None else meta.max_new_len + max_candidates,
+        )
+        x = self._embed(layout)
+        for i, layer in enumerate(self.layers):
+            u, q, k, v = layer.project(x)
+            attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
+            x = layer.finish(x, u, attn)
+        return self._head(x, layout)
+
+    def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
+        """Host-side checks of a request against this model (keys, sizes, id ranges)."""
+        c = self.config
+        validate_values(history, candidates, num_items=c.num_items, num_actions=c.num_actions,
+                        num_time_buckets=c.num_time_buckets)

@@ -1,0 +1,96 @@
+"""`KVCacheModule`: the paged KV cache as a torchrec-style ``nn.Module``.
+
+Owns a `KVCacheManager` whose device table is a *non-persistent* buffer, so the cache moves with
+the model (``.to()``, ``device=``, the meta device) while checkpoints stay weights-only. Its
+``forward`` is one layer's cached attention, jagged in and out: wait for the layer's onboarded
+pages, append the new history K/V into pages, attend over cached + new history and candidates.
+It does not decide when a step begins or ends (``begin``/``commit``/``abort`` are called by the
+integrations: the Lightning callback, the inference loop, the server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from gr_plugin.cache import BatchPlan, CacheRequest, HostTier, KVBackend, KVCacheConfig, KVCacheManager
+from gr_plugin.modules.tokens import TokenLayout
+from gr_plugin.ops import paged_hstu_attention
+
+BACKENDS = ("gpu", "native")
+
+
+def make_backend(name: str) -> KVBackend | None:
+    """``gpu``: device pages only; ``native``: device pages + the pinned host tier."""
+    if name == "gpu":
+        return None
+    if name == "native":
+        return HostTier()
+    raise ValueError(f"unknown cache backend {name!r}; choose one of {list(BACKENDS)}")
+
+
+class KVCacheModule(nn.Module):
+    def __init__(self, config: KVCacheConfig, backend: str | KVBackend | None = "native",
+                 device: torch.device | str | None = None, *, write_through: bool = True) -> None:
+        super().__init__()
+        if device is not None:
+            config = dataclasses.replace(config, device=str(torch.device(device)))
+        if isinstance(backend, str):
+            backend = make_backend(backend)
+        if backend is not None and config.host_cache_bytes == 0:
+            raise ValueError("a lower-tier backend needs host_cache_bytes > 0 (kvcache host_cache_gb)")
+        self.manager = KVCacheManager(config, backend, write_through=write_through)
+        self.register_buffer("kv_table", self.manager.kv_table, persistent=False)
+
+    @property
+    def config(self) -> KVCacheConfig:
+        return self.manager.config
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if self.kv_table is not self.manager.kv_table:
+            self.manager.rebind(self.kv_table)
+        return self
+
+    # ------------------------------------------------------------------ step lifecycle
+    def begin(self, user_ids: Sequence[int], history_lengths: Sequence[int],
+              token_keys: torch.Tensor) -> BatchPlan | None:
+        """Lookup + allocate + launch the onboard copy. ``None``: the batch does not fit; run
+        the full pass instead. ``token_keys``: int64 CPU ``[sum(L)]`` (see `cache_token_keys`)."""
+        return self.manager.prepare(CacheRequest(user_ids, history_lengths, token_keys))
+
+    def commit(self, plan: BatchPlan) -> None:
+        self.manager.commit(plan)
+
+    def abort(self, plan: BatchPlan) -> None:
+        self.manager.abort(plan)
+
+    # ------------------------------------------------------------------ one layer
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
+                plan: BatchPlan, *, alpha: float, n_norm: float) -> torch.Tensor:
+        """Cached attention of ``layer``: ``q, k, v [Nq, H, D]`` in ``layout``'s query order
+        (per user: new history events, then candidates) -> ``[Nq, H, D]``."""
+        self.manager.wait_layer(plan, layer)
+        rows = layout.new_rows
+        self.manager.append(layer, k[rows], v[rows], plan)
+        meta = plan.metadata
+        return paged_hstu_attention(
+            q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
+            layout.q_offsets, meta.new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=layout.max_q_len,
+            max_history_len=max(meta.max_total_len, 1), num_history_tokens=meta.num_total_tokens,
+        )
+
+    attend = forward
+
+    def stats(self) -> dict:
+        return self.manager.stats()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        backend = type(self.manager.backend).__name__ if self.manager.backend is not None else "gpu"
+        return (f"layers={c.num_layers}, heads={c.num_heads}, head_dim={c.head_dim}, "
+                f"page_size={c.page_size}, "
+                f"num_pages={c.num_pages}, dtype={c.dtype}, backend={backend}")

@@ -1,0 +1,158 @@
+"""Token layout of a ranking step: which history events and candidates are computed, and where.
+
+Owns the mapping from the request's jagged inputs (history and candidate `KeyedJaggedTensor`s) to
+the jagged *query* sequence the layers run on: per user ``b``, its uncached history events
+(positions ``cached[b] .. L[b]-1``) followed by its candidates. A full pass is the case
+``cached = 0``. Also owns the cache identity of a history event (`cache_token_keys`).
+Models wrap `build_token_layout` for ``torch.fx`` (it needs host ints), so they stay traceable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gr_plugin.ops.jagged import complete_cumsum
+
+HISTORY_KEYS = ("item", "action", "time")
+CANDIDATE_KEYS = ("item",)
+EMBEDDING_KEYS = ("item", "action", "time", "position")
+
+_ITEM_BITS, _ACTION_BITS, _TIME_BITS = 39, 8, 16
+
+
+def validate_values(history: KeyedJaggedTensor, candidates: KeyedJaggedTensor, *, num_items: int,
+                    num_actions: int, num_time_buckets: int) -> None:
+    """Value checks of a request, on the host (they read values: call them before moving the
+    request to a device). Every user needs >= 1 history event and >= 1 candidate; ids must be
+    inside the embedding tables (an id past a table would read another row or fault)."""
+    check_inputs(history, candidates)
+    hist_len = history["item"].lengths()
+    cand_len = candidates["item"].lengths()
+    for name, lengths in (("history", hist_len), ("candidates", cand_len)):
+        if lengths.numel() and int(lengths.min()) <= 0:
+            b = int((lengths <= 0).nonzero()[0])
+            raise ValueError(
+                f"user at batch index {b} has {int(lengths[b])} {name} events; at least 1 is required")
+    for key, values, lo, hi in (("item", history["item"].values(), 1, num_items),
+                                ("action", history["action"].values(), 0, num_actions - 1),
+                                ("time", history["time"].values(), 0, num_time_buckets - 1),
+                                ("candidate item", candidates["item"].values(), 1, num_items)):
+        if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+            bad = int(values.min()) if int(values.min()) < lo else int(values.max())
+            raise ValueError(f"{key} id {bad} is outside the table range [{lo}, {hi}]")
+
+
+@dataclasses.dataclass
+class TokenLayout:
+    """Where each query token comes from. ``[B]``/``[B+1]`` per user, ``[Nq]`` per query token.
+
+    - ``features``: KJT with keys ``item, action, time, position`` and lengths ``q_lengths``;
+    - ``q_offsets [B+1]``, ``max_q_len``: the jagged query sequence (new history, then candidates);
+    - ``new_lengths``/``candidate_lengths``/``history_lengths [B]``;
+    - ``candidate_rows [sum C]``: rows of the candidates, in the candidates' input order;
+    - ``new_rows [N]``: rows of the new history events, in batch order.
+    """
+
+    features: KeyedJaggedTensor
+    q_offsets: torch.Tensor
+    max_q_len: int
+    num_query_tokens: int
+    history_lengths: torch.Tensor
+    new_lengths: torch.Tensor
+    candidate_lengths: torch.Tensor
+    candidate_rows: torch.Tensor
+    new_rows: torch.Tensor
+
+
+def check_inputs(history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
+    """Keys and per-key lengths of the two KJTs (host-side checks only)."""
+    if tuple(history.keys()) != HISTORY_KEYS:
+        raise ValueError(f"history KJT must have keys {list(HISTORY_KEYS)}, got {history.keys()}")
+    if tuple(candidates.keys()) != CANDIDATE_KEYS:
+        raise ValueError(f"candidates KJT must have keys {list(CANDIDATE_KEYS)}, got {candidates.keys()}")
+    if history.stride() != candidates.stride():
+        raise ValueError(f"history has {history.stride()} users but candidates have {candidates.stride()}")
+
+
+def build_token_layout(
+    history: KeyedJaggedTensor,
+    candidates: KeyedJaggedTensor,
+    cached_lengths: torch.Tensor | None,
+    max_positions: int,
+    num_query_tokens: int | None = None,
+    max_q_len: int | None = None,
+) -> TokenLayout:
+    """Query layout for ``history`` (keys item/action/time) and ``candidates`` (key item).
+
+    ``cached_lengths [B]`` events of each history are already cached (None: a full pass).
+    ``num_query_tokens`` and ``max_q_len`` (host ints; an upper bound for the latter) avoid device
+    syncs when the caller knows them.
+    Positions are absolute (clamped to ``max_positions - 1``); a candidate sits at position
+    ``L[b]``, with action and time 0.
+    """
+    hist = history.to_dict()
+    items = hist["item"]
+    hist_len = items.lengths().to(torch.int64)
+    cand = candidates["item"]
+    cand_len = cand.lengths().to(torch.int64)
+    device = hist_len.device
+    bsz = hist_len.numel()
+    cached = torch.zeros_like(hist_len) if cached_lengths is None else cached_lengths.to(torch.int64)
+    new_len = hist_len - cached
+    q_len = new_len + cand_len
+    q_off = complete_cumsum(q_len)
+    if num_query_tokens is None:
+        num_query_tokens = int(q_off[-1])
+    n = num_query_tokens
+    h_off = complete_cumsum(hist_len)
+    c_off = complete_cumsum(cand_len)
+    batch = torch.repeat_interleave(torch.arange(bsz, device=device), q_len, output_size=n)
+    local = torch.arange(n, device=device) - q_off[:-1][batch]
+    is_hist = local < new_len[batch]
+    hist_src = torch.where(is_hist, h_off[:-1][batch] + cached[batch] + local, 0)
+    cand_src = torch.where(is_hist, 0, c_off[:-1][batch] + local - new_len[batch])
+
+    def pick(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.int64)[hist_src] if values.numel() else torch.zeros(n, dtype=torch.int64,
+                                                                                    device=device)
+
+    cand_items = cand.values().to(torch.int64)
+    item = torch.where(is_hist, pick(items.values()), cand_items[cand_src] if cand_items.numel() else 0)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    action = torch.where(is_hist, pick(hist["action"].values()), zero)
+    time = torch.where(is_hist, pick(hist["time"].values()), zero)
+    position = torch.where(is_hist, cached[batch] + local, hist_len[batch]).clamp(max=max_positions - 1)
+    features = KeyedJaggedTensor(
+        keys=list(EMBEDDING_KEYS),
+        values=torch.cat([item, action, time, position]),
+        lengths=q_len.repeat(len(EMBEDDING_KEYS)),
+    )
+    rows = torch.arange(n, device=device)
+    return TokenLayout(
+        features=features,
+        q_offsets=q_off,
+        max_q_len=int(q_len.max()) if max_q_len is None else max_q_len,
+        num_query_tokens=n,
+        history_lengths=hist_len,
+        new_lengths=new_len,
+        candidate_lengths=cand_len,
+        candidate_rows=rows[~is_hist],
+        new_rows=rows[is_hist],
+    )
+
+
+def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: torch.Tensor) -> torch.Tensor:
+    """One int64 identity per history event: ``item << 24 | action << 16 | time_bucket``.
+
+    Lossless within the checked ranges (item < 2**39, action < 2**8, time bucket < 2**16), so two
+    histories share a cache key sequence only if every embedded feature agrees. CPU tensors.
+    """
+    for name, t, bits in (("item", items, _ITEM_BITS), ("action", actions, _ACTION_BITS),
+                          ("time bucket", time_buckets, _TIME_BITS)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= 1 << bits):
+            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+            raise ValueError(f"{name} id {bad} is outside [0, 2**{bits}) and cannot be part of a cache key")
+    return (items.to(torch.int64) << 24) | (actions.to(torch.int64) << 16) | time_buckets.to(torch.int64)

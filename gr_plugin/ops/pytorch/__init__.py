@@ -1,0 +1,1 @@
+"""Pure-torch references of the ops: the oracles in tests and the CPU path."""

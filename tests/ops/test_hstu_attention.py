@@ -1,0 +1,112 @@
+"""The attention references against a plain loop written independently here."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gr_plugin.cache import paged_ops
+from gr_plugin.ops import jagged
+from gr_plugin.ops.pytorch.hstu_attention import hstu_attention_jagged, paged_hstu_attention
+
+H, D, ALPHA, NORM = 2, 3, 0.7, 5.0
+
+
+def loop_attention(q, k, v, hist_len, num_cand, q_first_pos=0):
+    """One user. Tokens: history [0, hist_len) then candidates. ``q`` holds the queries of the
+    tokens from position ``q_first_pos`` on; ``k``/``v`` hold every token's keys/values."""
+    out = torch.zeros_like(q)
+    for qi in range(q.shape[0]):
+        i = q_first_pos + qi
+        for j in range(hist_len + num_cand):
+            is_cand_i = i >= hist_len
+            ok = (j < hist_len or j == i) if is_cand_i else j <= i
+            if ok:
+                w = F.silu((q[qi] * k[j]).sum(-1) * ALPHA) / NORM  # [H]
+                out[qi] += w.unsqueeze(-1) * v[j]
+    return out
+
+
+CASES = [  # (history lengths, candidates, cached) per user
+    ([5], [1], [0]),
+    ([5, 0, 9], [3, 2, 1], [0, 0, 0]),
+    ([7, 3], [4, 1], [7, 3]),  # all cached: only candidates are queries
+    ([9, 4, 1], [2, 5, 1], [4, 0, 1]),
+    ([1], [6], [0]),
+]
+
+
+@pytest.mark.parametrize("use_fbgemm", [True, False])
+@pytest.mark.parametrize(("hist", "cand", "cached"), CASES)
+def test_jagged_matches_loop(monkeypatch, use_fbgemm, hist, cand, cached):
+    if not use_fbgemm:
+        monkeypatch.setattr(jagged, "_use_fbgemm", lambda op, t: False)
+    g = torch.Generator().manual_seed(len(hist) * 13 + sum(hist))
+    lens = [h + c for h, c in zip(hist, cand)]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    offsets = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
+    out = hstu_attention_jagged(q, k, v, offsets, torch.tensor(cand), alpha=ALPHA, n_norm=NORM,
+                                max_seq_len=max(lens))
+    want = torch.cat([loop_attention(q[a:b], k[a:b], v[a:b], h, c)
+                      for a, b, h, c in zip(offsets[:-1], offsets[1:], hist, cand)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize(("hist", "cand", "cached"), CASES)
+def test_paged_matches_loop(page_size, hist, cand, cached):
+    g = torch.Generator().manual_seed(len(hist) * 7 + sum(cached))
+    B = len(hist)
+    # every token's q/k/v as a full pass would see them
+    full = [tuple(torch.randn(h + c, H, D, generator=g) for _ in range(3)) for h, c in zip(hist, cand)]
+    num_pages = sum(-(-h // page_size) for h in hist) + 2
+    table = torch.zeros(num_pages, 2, page_size, H, D)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    indices, indptr = [], [0]
+    for b, h in enumerate(hist):
+        n = -(-h // page_size)
+        pages, perm = perm[:n], perm[n:]
+        indices += pages
+        indptr.append(len(indices))
+        for t in range(h):  # history K/V (cached and new) live in the pages
+            table[pages[t // page_size], 0, t % page_size] = full[b][1][t]
+            table[pages[t // page_size], 1, t % page_size] = full[b][2][t]
+    new = [h - c for h, c in zip(hist, cached)]
+    qs, ks, vs, wants = [], [], [], []
+    for b in range(B):
+        q_all, k_all, v_all = full[b]
+        sl = slice(cached[b], hist[b] + cand[b])
+        qs.append(q_all[sl])
+        ks.append(k_all[sl])
+        vs.append(v_all[sl])
+        wants.append(loop_attention(q_all[sl], k_all, v_all, hist[b], cand[b], q_first_pos=cached[b]))
+    q_len = [n + c for n, c in zip(new, cand)]
+    q_offsets = torch.tensor([0, *torch.cumsum(torch.tensor(q_len), 0).tolist()])
+    out = paged_hstu_attention(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), table, torch.tensor(indices, dtype=torch.int64),
+        torch.tensor(indptr), torch.tensor(hist), q_offsets, torch.tensor(new), alpha=ALPHA, n_norm=NORM,
+        max_q_len=max(q_len), max_history_len=max(max(hist), 1), num_history_tokens=sum(hist))
+    torch.testing.assert_close(out, torch.cat(wants), rtol=1e-5, atol=1e-6)
+
+
+def test_candidates_do_not_see_each_other():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, H, D, generator=g) for _ in range(3))
+    offsets, cand = torch.tensor([0, 6]), torch.tensor([3])
+    base = hstu_attention_jagged(q, k, v, offsets, cand, alpha=ALPHA, n_norm=NORM, max_seq_len=6)
+    k2, v2 = k.clone(), v.clone()
+    k2[5] += 10  # change the last candidate only
+    v2[5] -= 3
+    moved = hstu_attention_jagged(q, k2, v2, offsets, cand, alpha=ALPHA, n_norm=NORM, max_seq_len=6)
+    assert torch.equal(moved[:5], base[:5])  # history and the other candidates unchanged
+    assert not torch.equal(moved[5], base[5])
+
+
+def test_reference_page_ops_used_consistently():
+    # the paged op reads exactly what append_kv wrote
+    table = torch.zeros(3, 2, 2, H, D)
+    k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+    slots = torch.tensor([4, 5, 0])
+    paged_ops.append_kv(table, k, v, slots)
+    k2, v2 = paged_ops.gather_kv(table, slots)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
