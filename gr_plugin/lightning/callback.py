@@ -1,0 +1,202 @@
+"""`KVCacheCallback`: the KV cache around Lightning's validate / test / predict loops.
+
+Owns a `KVCacheModule` for the stages it serves: builds it on the LightningModule's device at the
+first batch, begins a cache step before each batch (lookup, allocate, onboard), commits it after
+the batch or aborts it on an exception, and logs ``kvcache/<stage>/hit_rate``, tokens reused and
+computed, and bytes moved. The sanity check's batches are forgotten. During ``fit`` the weights
+change between validations, so each validation epoch uses a new namespace (old K/V are never read)
+and starts empty. Its ``state_dict`` holds statistics only. The LightningModule must expose
+``model`` (an `HSTURanker`) and the attributes ``kv_cache``/``kv_plan`` (see `HSTURankingModule`);
+without this callback it runs the full pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from gr_plugin.cache import KVCacheConfig
+from gr_plugin.inference.inputs import batch_cache_keys, host_batch
+from gr_plugin.modules import KVCacheModule
+
+logger = logging.getLogger(__name__)
+
+_STAGES = ("validate", "test", "predict")
+_LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_computed", "onboard_bytes",
+           "offload_bytes", "evicted_users", "fallbacks")
+
+
+class KVCacheCallback(Callback):
+    """Args:
+        backend: ``"gpu"`` (device pages only) or ``"native"`` (device pages + pinned host tier).
+        page_size, num_pages: device pages; host_cache_gb: the host tier's capacity.
+        dtype: cache dtype (default: the model's parameter dtype).
+        namespace: identity salt (model name/version).
+        stages: which of validate/test/predict use the cache.
+    """
+
+    def __init__(self, backend: str = "native", *, page_size: int = 32, num_pages: int = 1024,
+                 host_cache_gb: float = 0.25, dtype: str | None = None, namespace: str = "gr_plugin",
+                 write_through: bool = True, stages: tuple[str, ...] = _STAGES) -> None:
+        super().__init__()
+        for s in stages:
+            if s not in _STAGES:
+                raise ValueError(f"KVCacheCallback stage {s!r} is not one of {list(_STAGES)}")
+        self.backend, self.page_size, self.num_pages = backend, page_size, num_pages
+        self.host_cache_gb, self.dtype, self.namespace = host_cache_gb, dtype, namespace
+        self.write_through, self.stages = write_through, tuple(stages)
+        self.cache: KVCacheModule | None = None
+        self.metrics: dict[str, dict[str, float]] = {}
+        self._fallbacks = 0
+        self._epoch_start: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ building
+    def _build(self, pl_module: L.LightningModule) -> KVCacheModule:
+        mc = pl_module.model.config
+        param = next(pl_module.parameters())
+        dtype = self.dtype or {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                               torch.float16: "float16"}[param.dtype]
+        probe = KVCacheConfig(num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                              page_size=self.page_size, num_pages=self.num_pages, dtype=dtype,
+                              device=str(param.device), namespace=self.namespace)
+        host_bytes = int(self.host_cache_gb * (1 << 30)) if self.backend != "gpu" else 0
+        probe.host_cache_bytes = host_bytes
+        cache = KVCacheModule(probe, self.backend, write_through=self.write_through)
+        logger.info("KV cache on %s: %s", param.device, cache.extra_repr())
+        return cache
+
+    def _attach(self, pl_module: L.LightningModule, stage: str) -> None:
+        if stage not in self.stages:
+            return
+        if self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device:
+            self.cache = self._build(pl_module)
+        # NOTE: object.__setattr__ keeps the cache out of the module's children (no DDP buffer
+        # broadcast, no summary entry); it holds no weights.
+        object.__setattr__(pl_module, "kv_cache", self.cache)
+        object.__setattr__(pl_module, "kv_plan", None)
+        self._epoch_start[stage] = self.cache.manager.counters.as_dict() | {"fallbacks": self._fallbacks}
+
+    def _detach(self, pl_module: L.LightningModule) -> None:
+        object.__setattr__(pl_module, "kv_cache", None)
+        object.__setattr__(pl_module, "kv_plan", None)
+
+    # ------------------------------------------------------------------ per batch
+    def _begin(self, pl_module: L.LightningModule, batch: Any) -> None:
+        if getattr(pl_module, "kv_cache", None) is None:
+            return
+        host = host_batch(batch)
+        plan = self.cache.begin(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
+        if plan is None:
+            self._fallbacks += 1
+        object.__setattr__(pl_module, "kv_plan", plan)
+
+    def _end(self, pl_module: L.LightningModule) -> None:
+        plan = getattr(pl_module, "kv_plan", None)
+        if plan is not None:
+            self.cache.commit(plan)
+            object.__setattr__(pl_module, "kv_plan", None)
+
+    def _epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str, log: bool) -> None:
+        if self.cache is None or stage not in self._epoch_start:
+            return
+        self.cache.manager.offload_flush()
+        now = self.cache.manager.counters.as_dict() | {"fallbacks": self._fallbacks}
+        start = self._epoch_start[stage]
+        delta = {k: now[k] - start[k] for k in _LOGGED if k != "hit_rate"}
+        requested = now["tokens_requested"] - start["tokens_requested"]
+        delta["hit_rate"] = delta["tokens_reused"] / requested if requested else 0.0
+        self.metrics[stage] = {k: float(v) for k, v in delta.items()}
+        if log:
+            name = {"validate": "val"}.get(stage, stage)
+            pl_module.log_dict({f"kvcache/{name}/{k}": float(v) for k, v in delta.items()})
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit" and self.cache is not None:
+            # NOTE: the weights changed since the last validation: never read K/V of old weights.
+            self.cache.manager.evict_all(all_tiers=True)
+        self._attach(pl_module, "validate")
+        if trainer.state.fn == "fit" and self.cache is not None:
+            self.cache.manager.set_namespace(f"{self.namespace}@step{trainer.global_step}")
+
+    @override
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._attach(pl_module, "test")
+
+    @override
+    def on_predict_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._attach(pl_module, "predict")
+
+    @override
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin(pl_module, batch)
+
+    @override
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin(pl_module, batch)
+
+    @override
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._begin(pl_module, batch)
+
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._end(pl_module)
+
+    @override
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._end(pl_module)
+
+    @override
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._end(pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "validate", log=not trainer.sanity_checking)
+        self._detach(pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "test", log=True)
+        self._detach(pl_module)
+
+    @override
+    def on_predict_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "predict", log=False)  # Lightning does not log in predict
+        self._detach(pl_module)
+
+    @override
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.cache is not None:
+            self.cache.manager.evict_all(all_tiers=True)
+        self.metrics.pop("validate", None)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        plan = getattr(pl_module, "kv_plan", None)
+        if plan is not None and self.cache is not None:
+            logger.warning("aborting the cache step of the failed batch: %r", exception)
+            self.cache.abort(plan)
+        self._detach(pl_module)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.cache is not None:
+            self.cache.manager.offload_flush()
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"metrics": self.metrics, "fallbacks": self._fallbacks}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.metrics = dict(state_dict.get("metrics", {}))
+        self._fallbacks = int(state_dict.get("fallbacks", 0))
