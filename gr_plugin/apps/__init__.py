@@ -1,0 +1,1 @@
+"""What the recipes run: each module takes a composed config object and does one job."""

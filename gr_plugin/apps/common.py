@@ -1,0 +1,101 @@
+"""Shared pieces of the apps: building the datamodule, the model, the cache, checkpoints.
+
+Owns the mapping from the config schemas to objects, and the checkpoint compatibility check (a
+checkpoint of another model shape is a clear error, not a shape mismatch deep in torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from gr_plugin.cache import KVCacheConfig
+from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
+from gr_plugin.configs.schema import DataOptions, TrainerOptions
+from gr_plugin.data import RecDataModule
+from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
+from gr_plugin.modules import HSTUConfig, KVCacheModule
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device {name!r} is not a torch device") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def make_datamodule(opts: DataOptions) -> RecDataModule:
+    kwargs = dataclasses.asdict(opts)
+    source = kwargs.pop("source")
+    return RecDataModule(source, **kwargs)
+
+
+def make_trainer(opts: TrainerOptions, callbacks: list, **overrides) -> L.Trainer:
+    kwargs = dataclasses.asdict(opts) | overrides
+    return L.Trainer(callbacks=callbacks, **kwargs)
+
+
+def resolve_backend(opts: KVCacheOptions) -> str | None:
+    """Engine that serves a ``kvcache`` option (None: no cache)."""
+    if opts.backend not in BACKENDS:
+        raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    if opts.backend == "none":
+        return None
+    if opts.backend == "flexkv":
+        logger.info("kvcache=flexkv: the FlexKV library is not installed; the built-in engine serves "
+                    "(device pages + pinned host tier)")
+        return "native"
+    return opts.backend
+
+
+def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device, dtype: torch.dtype) -> KVCacheModule | None:
+    backend = resolve_backend(opts)
+    if backend is None:
+        return None
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
+                        page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or names[dtype],
+                        device=str(device), namespace=opts.namespace,
+                        host_cache_bytes=int(opts.host_cache_gb * (1 << 30)) if backend != "gpu" else 0)
+    return KVCacheModule(cfg, backend, write_through=opts.write_through)
+
+
+def make_callback(opts: KVCacheOptions | None) -> KVCacheCallback | None:
+    if opts is None:
+        return None
+    backend = resolve_backend(opts)
+    if backend is None:
+        return None
+    return KVCacheCallback(backend, page_size=opts.page_size, num_pages=opts.num_pages,
+                           host_cache_gb=opts.host_cache_gb, dtype=opts.dtype, namespace=opts.namespace,
+                           write_through=opts.write_through)
+
+
+def load_module(path: str | Path, expected: HSTUConfig) -> HSTURankingModule:
+    """Load a checkpoint written by ``recipes.train``; its model config must equal ``expected``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    saved = (ckpt.get("hyper_parameters") or {}).get("model")
+    if saved is None:
+        raise ValueError(f"checkpoint {str(path)!r} has no model config (not written by recipes.train?)")
+    want = dataclasses.asdict(expected)
+    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v and k != "dropout"}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in sorted(diff.items()))
+        raise ValueError(f"checkpoint {str(path)!r} is for another model config ({detail})")
+    module = HSTURankingModule(HSTUConfig(**saved))
+    module.load_state_dict(ckpt["state_dict"])
+    return module

@@ -1,0 +1,235 @@
+"""``recipes.infer``: replay request batches through the cached model and, side by side, the full pass.
+
+Owns the inference run: load the model (a checkpoint, or train the default first, or say that the
+weights are random), replay the data module's request stream (several visits per user, users
+interleaved), score each batch with the cache and then without it, check that every score agrees,
+and report hit rates per tier, tokens reused/computed, latency with and without the cache, and
+ranking metrics. Writes JSON, CSV and a PNG under the run's output directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+from torchmetrics.classification import BinaryAUROC
+from torchmetrics.retrieval import RetrievalHitRate, RetrievalNormalizedDCG
+from tqdm import tqdm
+
+from gr_plugin.apps import train as train_app
+from gr_plugin.apps.common import load_module, make_cache, make_datamodule, pick_device, resolve_backend
+from gr_plugin.configs.schema import InferConfig, TrainConfig
+from gr_plugin.inference import RankingEngine
+from gr_plugin.lightning import HSTURankingModule
+
+logger = logging.getLogger(__name__)
+
+
+def _load_or_train(cfg: InferConfig) -> tuple[HSTURankingModule, str]:
+    if cfg.ckpt_path:
+        return load_module(cfg.ckpt_path, cfg.model), f"checkpoint {cfg.ckpt_path}"
+    if Path(cfg.default_ckpt).is_file():
+        return load_module(cfg.default_ckpt, cfg.model), f"checkpoint {cfg.default_ckpt} (default)"
+    if not cfg.train_if_missing:
+        logger.warning("no checkpoint and train_if_missing=false: the model's weights are RANDOM")
+        return HSTURankingModule(cfg.model), "random weights (no checkpoint)"
+    base = TrainConfig(
+        model=cfg.model,
+        data=dataclasses.replace(cfg.data, max_users=None, batch_size=64, max_history_len=512),
+        trainer=dataclasses.replace(cfg.trainer, max_steps=300, limit_val_batches=20, enable_progress_bar=True),
+        ckpt_out=cfg.default_ckpt,
+    )
+    tcfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), cfg.train))
+    logger.warning("no checkpoint at %s: training the default model first (%d steps); "
+                   "later runs reuse it", cfg.default_ckpt, tcfg.trainer.max_steps)
+    out = train_app.run(tcfg)
+    return load_module(out["checkpoint"], cfg.model), f"trained now ({tcfg.trainer.max_steps} steps) -> {out['checkpoint']}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
+    L.seed_everything(cfg.seed)
+    device = pick_device(cfg.device)
+    dm = make_datamodule(cfg.data)
+    if cfg.model.num_items < dm.num_items:
+        raise ValueError(f"model.num_items={cfg.model.num_items} but the data has {dm.num_items} items")
+    module, weights = _load_or_train(cfg)
+    model = module.model.to(device).eval()
+    dtype = next(model.parameters()).dtype
+    cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
+    engine_name = "none" if cache is None else resolve_backend(cfg.kvcache)
+    dm.setup(cfg.stage)
+    loader = {"predict": dm.predict_dataloader, "test": dm.test_dataloader, "val": dm.val_dataloader}[cfg.stage]()
+    cached_engine = RankingEngine(model, cache, device) if cache is not None else None
+    full_engine = RankingEngine(model, None, device)
+
+    rows: list[dict[str, Any]] = []
+    logits_all, labels_all, req_all = [], [], []
+    max_diff = 0.0
+    total = len(loader) if cfg.max_batches is None else min(cfg.max_batches, len(loader))
+    for i, batch in enumerate(tqdm(loader, total=total, desc="infer", unit="batch")):
+        if i >= total:
+            break
+        row: dict[str, Any] = {"batch": i, "users": batch.batch_size,
+                               "returning": bool((batch.visit_index > 0).all()),
+                               "history_tokens": int(batch.history_lengths.sum())}
+        ref = None
+        if cached_engine is not None:
+            _sync(device)
+            t0 = time.perf_counter()
+            res = cached_engine.score(batch)
+            _sync(device)
+            row["cached_ms"] = (time.perf_counter() - t0) * 1e3
+            row.update(reused=res.cached_tokens, onboarded=res.onboarded_tokens, computed=res.computed_tokens,
+                       fell_back=res.fell_back)
+            ref = res.logits
+        if cached_engine is None or cfg.compare:
+            _sync(device)
+            t0 = time.perf_counter()
+            full = full_engine.score(batch).logits
+            _sync(device)
+            row["full_ms"] = (time.perf_counter() - t0) * 1e3
+            if ref is not None:
+                diff = (ref.float() - full.float()).abs().max().item()
+                row["max_abs_diff"] = diff
+                max_diff = max(max_diff, diff)
+            else:
+                ref = full
+        logits_all.append(ref.float().cpu())
+        labels_all.append(batch.labels)
+        req_all.append(torch.repeat_interleave(torch.full((batch.batch_size,), i) * 1000 + torch.arange(batch.batch_size),
+                                               batch.candidate_lengths))
+        rows.append(row)
+
+    logits, labels, req = torch.cat(logits_all), torch.cat(labels_all), torch.cat(req_all)
+    quality = {
+        "auc_liked": BinaryAUROC()(logits[:, 0], labels[:, 0].long()).item(),
+        "auc_watched": BinaryAUROC()(logits[:, 1], labels[:, 1].long()).item(),
+        "ndcg@10": RetrievalNormalizedDCG(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
+        "hr@10": RetrievalHitRate(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
+    }
+    timed = rows[cfg.warmup_batches:] or rows
+    summary: dict[str, Any] = {
+        "weights": weights, "device": str(device), "kvcache": engine_name,
+        "kvcache_option": None if cfg.kvcache is None else cfg.kvcache.backend,
+        "batches": len(rows), "requests": sum(r["users"] for r in rows),
+        "returning_batches": sum(r["returning"] for r in rows), **quality,
+    }
+    for key in ("cached_ms", "full_ms"):
+        vals = [r[key] for r in timed if key in r]
+        rep = [r[key] for r in timed if key in r and r["returning"]]
+        if vals:
+            summary[f"{key}_p50"], summary[f"{key}_p99"] = _pct(vals, 0.5), _pct(vals, 0.99)
+            summary[f"{key}_mean"] = statistics.fmean(vals)
+        if rep:
+            summary[f"{key}_p50_returning"] = _pct(rep, 0.5)
+    if cache is not None:
+        cache.manager.offload_flush()
+        stats = cache.stats()
+        req_tokens = stats["tokens_requested"] or 1
+        summary.update(
+            hit_rate=stats["hit_rate"], hit_rate_device=stats["tokens_reused_device"] / req_tokens,
+            hit_rate_host=stats["tokens_reused_host"] / req_tokens, tokens_reused=stats["tokens_reused"],
+            tokens_computed=stats["tokens_computed"], tokens_requested=stats["tokens_requested"],
+            evicted_users=stats["evicted_users"], onboard_bytes=stats["onboard_bytes"],
+            offload_bytes=stats["offload_bytes"], fallbacks=sum(bool(r.get("fell_back")) for r in rows),
+        )
+        if "full_ms_mean" in summary:
+            summary["speedup_mean"] = summary["full_ms_mean"] / summary["cached_ms_mean"]
+            if "cached_ms_p50_returning" in summary:
+                summary["speedup_p50_returning"] = summary["full_ms_p50_returning"] / summary["cached_ms_p50_returning"]
+    if cache is not None and cfg.compare:
+        summary["max_abs_diff"] = max_diff
+        summary["equivalence"] = "PASS" if max_diff <= cfg.tolerance else "FAIL"
+    _write(out_dir, summary, rows, cfg)
+    return summary
+
+
+def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], cfg: InferConfig) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "config": OmegaConf.to_container(
+        OmegaConf.structured(cfg))}, indent=2, default=str))
+    keys = sorted({k for r in rows for k in r})
+    with open(out_dir / "batches.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    if cfg.results_csv:
+        path = Path(cfg.results_csv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flat = {"page_size": getattr(cfg.kvcache, "page_size", None), "batch_size": cfg.data.batch_size,
+                **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(flat))
+            if new:
+                w.writeheader()
+            w.writerow(flat)
+    _plot(out_dir / "latency.png", rows, summary)
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    x = [r["batch"] for r in rows]
+    for key, label in (("full_ms", "full recompute"), ("cached_ms", "cached")):
+        if any(key in r for r in rows):
+            ax[0].plot(x, [r.get(key, float("nan")) for r in rows], label=label, lw=0.8)
+    ax[0].set(xlabel="batch (replay order)", ylabel="latency (ms)", title="per-batch latency")
+    ax[0].legend()
+    if any("reused" in r for r in rows):
+        reused = [r.get("reused", 0) / max(r["history_tokens"], 1) for r in rows]
+        ax[1].plot(x, reused, lw=0.8)
+        ax[1].set(xlabel="batch", ylabel="history tokens reused", ylim=(0, 1.05),
+                  title=f"hit rate (overall {summary.get('hit_rate', 0):.1%})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The run's summary as an aligned text table."""
+    def f(key: str, fmt: str = "{:.2f}") -> str:
+        v = summary.get(key)
+        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+
+    lines = [
+        ("weights", f("weights")), ("device / kvcache", f"{f('device')} / {f('kvcache')} (option {f('kvcache_option')})"),
+        ("requests (batches, returning batches)", f"{f('requests')} ({f('batches')}, {f('returning_batches')})"),
+        ("hit rate: all / device / host", f"{f('hit_rate', '{:.1%}')} / {f('hit_rate_device', '{:.1%}')} / "
+                                          f"{f('hit_rate_host', '{:.1%}')}"),
+        ("history tokens reused / computed", f"{f('tokens_reused')} / {f('tokens_computed')}"),
+        ("latency ms p50 / p99, cached", f"{f('cached_ms_p50')} / {f('cached_ms_p99')}"),
+        ("latency ms p50 / p99, full recompute", f"{f('full_ms_p50')} / {f('full_ms_p99')}"),
+        ("p50 on returning users: cached / full", f"{f('cached_ms_p50_returning')} / {f('full_ms_p50_returning')}"),
+        ("speedup: mean / p50 returning", f"{f('speedup_mean')}x / {f('speedup_p50_returning')}x"),
+        ("AUC liked / watched", f"{f('auc_liked', '{:.4f}')} / {f('auc_watched', '{:.4f}')}"),
+        ("NDCG@10 / HR@10 (watched)", f"{f('ndcg@10', '{:.4f}')} / {f('hr@10', '{:.4f}')}"),
+        ("equivalence (max abs diff)", f"{f('equivalence')} ({f('max_abs_diff', '{:.2e}')})"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)

@@ -1,0 +1,100 @@
+"""Structured-config schemas of the recipes (``train``, ``infer``), registered in ConfigStore.
+
+Owns the dataclasses Hydra validates the recipes' YAML and overrides against, so a misspelt key
+is an error. The ``model`` group is `HSTUConfig` itself; ``kvcache`` is optional (``+kvcache=...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from gr_plugin.configs.kvcache import KVCacheOptions
+from gr_plugin.modules import HSTUConfig
+
+
+@dataclasses.dataclass
+class DataOptions:
+    """`RecDataModule` arguments (see its docstring); ``source`` is ``ml-1m`` or ``synthetic``."""
+
+    source: str = "ml-1m"
+    source_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_size: int = 8
+    num_candidates: int = 64
+    max_next: int = 8
+    session_gap_s: float | None = 1800.0
+    max_visit_len: int | None = 32
+    stride: int | None = None
+    min_history: int = 1
+    num_val_visits: int = 2
+    num_test_visits: int = 2
+    interleave_users: int | None = None
+    max_users: int | None = None
+    max_history_len: int | None = None
+    num_time_buckets: int = 32
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclasses.dataclass
+class TrainerOptions:
+    """The `lightning.Trainer` arguments the recipes expose."""
+
+    accelerator: str = "cpu"
+    devices: Any = 1
+    max_epochs: int = 1
+    max_steps: int = -1
+    limit_train_batches: Any = 1.0
+    limit_val_batches: Any = 1.0
+    val_check_interval: Any = 1.0
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 20
+    precision: str = "32-true"
+    gradient_clip_val: float | None = 1.0
+    enable_progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
+    data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
+    kvcache: KVCacheOptions | None = None
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    ckpt_out: str = "outputs/checkpoints/hstu-ml1m.ckpt"
+    validate: bool = True
+
+
+@dataclasses.dataclass
+class InferConfig:
+    """``recipes.infer``: replay request batches with the cache and, side by side, without it."""
+
+    model: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
+    data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
+    kvcache: KVCacheOptions | None = None
+    ckpt_path: str | None = None
+    default_ckpt: str = "outputs/checkpoints/hstu-ml1m.ckpt"
+    train_if_missing: bool = True
+    train: dict[str, Any] = dataclasses.field(default_factory=dict)
+    device: str = "auto"
+    stage: str = "predict"
+    max_batches: int | None = None
+    compare: bool = True
+    tolerance: float = 1e-5
+    warmup_batches: int = 3
+    seed: int = 0
+    results_csv: str | None = None
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="infer_schema", node=InferConfig)
+
+
+register()

@@ -1,0 +1,32 @@
+"""``python -m recipes.infer +kvcache=flexkv`` (none | gpu | native | flexkv); ``-m`` sweeps work,
+e.g. ``python -m recipes.infer -m +kvcache=native kvcache.page_size=16,32 data.batch_size=4,8``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
+from gr_plugin.apps import infer
+
+
+@hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
+def main(cfg) -> None:
+    hc = HydraConfig.get()
+    obj = OmegaConf.to_object(cfg)
+    if obj.results_csv is None:
+        base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir
+        obj.results_csv = str(Path(base) / "results.csv")
+    summary = infer.run(obj, Path(hc.runtime.output_dir))
+    print(infer.format_table(summary))
+    print(f"outputs: {hc.runtime.output_dir}")
+    if summary.get("equivalence") == "FAIL":
+        raise SystemExit(f"cached scores differ from full recomputation: max abs diff {summary['max_abs_diff']:.3e}")
+
+
+if __name__ == "__main__":
+    main()

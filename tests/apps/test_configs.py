@@ -1,0 +1,44 @@
+"""Hydra composition: every kvcache option, typo rejection, the packaged group in a foreign app."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+import gr_plugin.configs.schema  # noqa: F401
+from gr_plugin.configs.kvcache import KVCacheOptions
+from gr_plugin.configs.schema import InferConfig
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@pytest.mark.parametrize("option", ["none", "gpu", "native", "flexkv"])
+def test_every_kvcache_option_composes_to_the_schema(option):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="infer", overrides=[f"+kvcache={option}", "kvcache.page_size=16"])
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, InferConfig) and isinstance(obj.kvcache, KVCacheOptions)
+    assert obj.kvcache.backend == option and obj.kvcache.page_size == 16
+
+
+def test_no_kvcache_option_means_no_cache():
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        assert compose(config_name="infer").kvcache is None
+
+
+@pytest.mark.parametrize("overrides", [["+kvcache=flexkv", "kvcache.page_sise=64"], ["model.num_layrs=3"],
+                                       ["data.batch_sise=3"], ["+kvcache=flexkv", "kvcache.page_size=big"]])
+def test_typos_and_bad_types_are_rejected(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"), pytest.raises(ConfigCompositionException):
+        compose(config_name="infer", overrides=overrides)
+
+
+def test_another_hydra_app_can_use_the_packaged_kvcache_group(tmp_path):
+    (tmp_path / "app.yaml").write_text("lr: 0.1\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose(config_name="app", overrides=["+kvcache=native"])
+        assert cfg.lr == 0.1 and cfg.kvcache.backend == "native" and cfg.kvcache.host_cache_gb == 1.0
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="app", overrides=["+kvcache=native", "kvcache.num_pagez=3"])
