@@ -59,7 +59,8 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
     return opts.backend
 
 
-def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device, dtype: torch.dtype) -> KVCacheModule | None:
+def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
+               dtype: torch.dtype) -> KVCacheModule | None:
     backend = resolve_backend(opts)
     if backend is None:
         return None

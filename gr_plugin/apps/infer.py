@@ -52,7 +52,8 @@ def _load_or_train(cfg: InferConfig) -> tuple[HSTURankingModule, str]:
     logger.warning("no checkpoint at %s: training the default model first (%d steps); "
                    "later runs reuse it", cfg.default_ckpt, tcfg.trainer.max_steps)
     out = train_app.run(tcfg)
-    return load_module(out["checkpoint"], cfg.model), f"trained now ({tcfg.trainer.max_steps} steps) -> {out['checkpoint']}"
+    desc = f"trained now ({tcfg.trainer.max_steps} steps) -> {out['checkpoint']}"
+    return load_module(out["checkpoint"], cfg.model), desc
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +65,7 @@ def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
@@ -117,8 +118,8 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
                 ref = full
         logits_all.append(ref.float().cpu())
         labels_all.append(batch.labels)
-        req_all.append(torch.repeat_interleave(torch.full((batch.batch_size,), i) * 1000 + torch.arange(batch.batch_size),
-                                               batch.candidate_lengths))
+        request_ids = torch.full((batch.batch_size,), i) * 1000 + torch.arange(batch.batch_size)
+        req_all.append(torch.repeat_interleave(request_ids, batch.candidate_lengths))
         rows.append(row)
 
     logits, labels, req = torch.cat(logits_all), torch.cat(labels_all), torch.cat(req_all)
@@ -157,7 +158,8 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
         if "full_ms_mean" in summary:
             summary["speedup_mean"] = summary["full_ms_mean"] / summary["cached_ms_mean"]
             if "cached_ms_p50_returning" in summary:
-                summary["speedup_p50_returning"] = summary["full_ms_p50_returning"] / summary["cached_ms_p50_returning"]
+                summary["speedup_p50_returning"] = (summary["full_ms_p50_returning"]
+                                                    / summary["cached_ms_p50_returning"])
     if cache is not None and cfg.compare:
         summary["max_abs_diff"] = max_diff
         summary["equivalence"] = "PASS" if max_diff <= cfg.tolerance else "FAIL"
@@ -218,7 +220,8 @@ def format_table(summary: dict[str, Any]) -> str:
         return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
 
     lines = [
-        ("weights", f("weights")), ("device / kvcache", f"{f('device')} / {f('kvcache')} (option {f('kvcache_option')})"),
+        ("weights", f("weights")),
+        ("device / kvcache", f"{f('device')} / {f('kvcache')} (option {f('kvcache_option')})"),
         ("requests (batches, returning batches)", f"{f('requests')} ({f('batches')}, {f('returning_batches')})"),
         ("hit rate: all / device / host", f"{f('hit_rate', '{:.1%}')} / {f('hit_rate_device', '{:.1%}')} / "
                                           f"{f('hit_rate_host', '{:.1%}')}"),

@@ -50,16 +50,16 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     other = HSTURankingModule(HSTUConfig(num_items=60, embedding_dim=32, num_layers=1))
     path = tmp_path / "other.ckpt"
     torch.save({"hyper_parameters": dict(other.hparams), "state_dict": other.state_dict()}, path)
-    with pytest.raises(ValueError, match="another model config.*embedding_dim: checkpoint 32 vs config 16"):
+    with pytest.raises(ValueError, match=r"another model config.*embedding_dim: checkpoint 32 vs config 16"):
         load_module(path, cfg.model)
-    with pytest.raises(FileNotFoundError, match="missing.ckpt"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt"):
         load_module(tmp_path / "missing.ckpt", cfg.model)
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path):
     cfg = tiny_cfg(tmp_path)
     cfg.data = DataOptions(source="ml-1m", source_kwargs={"path": str(tmp_path / "no-such.inter")})
-    with pytest.raises(FileNotFoundError, match="no-such.inter"):
+    with pytest.raises(FileNotFoundError, match=r"no-such\.inter"):
         infer.run(cfg, tmp_path / "out")
 
 
