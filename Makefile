@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m recipes.demo
+	$(PY) -m recipes.infer +kvcache=flexkv
 
 test: setup
 	$(PY) -m pytest -q

@@ -44,8 +44,9 @@ def _load_or_train(cfg: InferConfig) -> tuple[HSTURankingModule, str]:
         return HSTURankingModule(cfg.model), "random weights (no checkpoint)"
     base = TrainConfig(
         model=cfg.model,
-        data=dataclasses.replace(cfg.data, max_users=None, batch_size=64, max_history_len=512),
-        trainer=dataclasses.replace(cfg.trainer, max_steps=300, limit_val_batches=20, enable_progress_bar=True),
+        data=dataclasses.replace(cfg.data, max_users=None, batch_size=32, max_history_len=256),
+        trainer=dataclasses.replace(cfg.trainer, max_epochs=20, max_steps=400, limit_val_batches=20,
+                                    enable_progress_bar=True),
         ckpt_out=cfg.default_ckpt,
     )
     tcfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), cfg.train))

@@ -45,6 +45,7 @@ class HSTURankingModule(L.LightningModule):
         # Set by KVCacheCallback around each evaluation batch; None: the full pass.
         self.kv_cache: KVCacheModule | None = None
         self.kv_plan = None
+        self._requests_seen = 0
 
     @property
     def config(self) -> HSTUConfig:
@@ -72,16 +73,24 @@ class HSTURankingModule(L.LightningModule):
         logits = self.score(batch)
         loss = self._loss(logits, batch.labels)
         self.log(f"{stage}/loss", loss, batch_size=batch.batch_size, prog_bar=stage == "val")
-        request = torch.repeat_interleave(torch.arange(batch.batch_size, device=logits.device),
+        # NOTE: retrieval metrics group by request id and bincount them: ids must be unique within
+        # the epoch and small, so they count requests seen.
+        first = self._requests_seen
+        self._requests_seen += batch.batch_size
+        request = torch.repeat_interleave(torch.arange(first, first + batch.batch_size, device=logits.device),
                                           batch.candidate_lengths)
-        # NOTE: request ids must be unique across the epoch for the retrieval metrics.
-        request = request + batch.user_ids[request] * 1_000_003 + batch.visit_index[request] * 7919
         liked, watched = batch.labels[:, 0].long(), batch.labels[:, 1].long()
         metrics["auc_liked"].update(logits[:, 0], liked)
         metrics["auc_watched"].update(logits[:, 1], watched)
         metrics["ndcg@10"].update(logits[:, 1], watched.bool(), indexes=request)
         metrics["hr@10"].update(logits[:, 1], watched.bool(), indexes=request)
         return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._requests_seen = 0
+
+    def on_test_epoch_start(self) -> None:
+        self._requests_seen = 0
 
     def validation_step(self, batch: RequestBatch, batch_idx: int) -> torch.Tensor:
         return self._eval_step(batch, self.val_metrics, "val")

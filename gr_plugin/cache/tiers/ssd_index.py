@@ -263,6 +263,14 @@ class SlotIndex:
         """Users, least recently used first."""
         return list(self._users)
 
+    def slot_of(self, key: PageKey) -> int | None:
+        """The slot of a stored page, or ``None`` (no pin, no LRU touch)."""
+        entry = self._users.get(key.user)
+        i = key.page_index
+        if entry is None or i >= len(entry.slots) or entry.hashes[i] != key.page_hash:
+            return None
+        return entry.slots[i]
+
     def slots_of(self, user: UserKey) -> list[int]:
         entry = self._users.get(user)
         return [] if entry is None else list(entry.slots)
