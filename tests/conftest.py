@@ -22,3 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+# A real redis-server for the remote-tier tests (started on a free loopback port).
+from tests.redis_server import redis_server, redis_url  # noqa: E402, F401

@@ -7,6 +7,7 @@ checkpoint of another model shape is a clear error, not a shape mismatch deep in
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import lightning as L
 import torch
 
 from gr_plugin.cache import KVCacheConfig
+from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
 from gr_plugin.data import RecDataModule
@@ -52,11 +54,21 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
         raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
     if opts.backend == "none":
         return None
-    if opts.backend == "flexkv":
-        logger.info("kvcache=flexkv: the FlexKV library is not installed; the built-in engine serves "
-                    "(device pages + pinned host tier)")
-        return "native"
     return opts.backend
+
+
+def tier_config(opts: KVCacheOptions) -> TierConfig:
+    """The ``flexkv`` tiers: ``kvcache.tiers``, overridden by the FlexKV YAML ``tier_config``."""
+    base = dataclasses.asdict(opts.tiers)
+    if opts.tier_config:
+        base.update(load_tier_config(opts.tier_config).to_dict())
+    tiers = load_tier_config(base)
+    found = importlib.util.find_spec("flexkv") is not None
+    logger.info("kvcache=flexkv: %s; gr_plugin's built-in tiered engine serves (host %.2f GB, SSD %.2f GB at %r, "
+                "remote %s)", "the FlexKV library is importable but has no adapter here" if found
+                else "the FlexKV library is not installed", tiers.cpu_cache_gb, tiers.ssd_cache_gb,
+                tiers.ssd_cache_dir, tiers.remote_url if tiers.enable_3rd_remote else "off")
+    return tiers
 
 
 def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
@@ -65,11 +77,12 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
     if backend is None:
         return None
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    tiers = tier_config(opts) if backend == "flexkv" else None
+    host_gb = {"gpu": 0.0, "native": opts.host_cache_gb}.get(backend, tiers.cpu_cache_gb if tiers else 0.0)
     cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                         page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or names[dtype],
-                        device=str(device), namespace=opts.namespace,
-                        host_cache_bytes=int(opts.host_cache_gb * (1 << 30)) if backend != "gpu" else 0)
-    return KVCacheModule(cfg, backend, write_through=opts.write_through)
+                        device=str(device), namespace=opts.namespace, host_cache_bytes=int(host_gb * (1 << 30)))
+    return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
 
 
 def make_callback(opts: KVCacheOptions | None) -> KVCacheCallback | None:
@@ -78,9 +91,10 @@ def make_callback(opts: KVCacheOptions | None) -> KVCacheCallback | None:
     backend = resolve_backend(opts)
     if backend is None:
         return None
+    tiers = tier_config(opts) if backend == "flexkv" else None
     return KVCacheCallback(backend, page_size=opts.page_size, num_pages=opts.num_pages,
-                           host_cache_gb=opts.host_cache_gb, dtype=opts.dtype, namespace=opts.namespace,
-                           write_through=opts.write_through)
+                           host_cache_gb=tiers.cpu_cache_gb if tiers else opts.host_cache_gb, dtype=opts.dtype,
+                           namespace=opts.namespace, write_through=opts.write_through, tiers=tiers)
 
 
 def load_module(path: str | Path, expected: HSTUConfig) -> HSTURankingModule:

@@ -1,30 +1,40 @@
-"""The paged KV-cache core: page pool, identity, LRU, host tier, transfers.
+"""The paged KV-cache core: page pool, identity, LRU, host tier, lower tiers, transfers.
 
-Imports only torch, the standard library and xxhash. Start with `KVCacheManager`.
+Imports only torch, the standard library and xxhash (and ``redis`` inside the remote store). Start
+with `KVCacheManager`. Names are loaded on first use, so torch-free modules of this package (the
+tier configuration) can be imported by Hydra plugins without importing torch.
 """
 
-from gr_plugin.cache.backend import KVBackend
-from gr_plugin.cache.config import KVCacheConfig
-from gr_plugin.cache.host_tier import HostTier
-from gr_plugin.cache.manager import KVCacheManager, UserInFlightError
-from gr_plugin.cache.metadata import PagedBatchMetadata, build_metadata
-from gr_plugin.cache.plan import BatchPlan, LookupResult
-from gr_plugin.cache.request import CacheRequest
-from gr_plugin.cache.stats import KVCacheStats
-from gr_plugin.cache.transfer import CopyHandle, TransferError
+from __future__ import annotations
 
-__all__ = [
-    "BatchPlan",
-    "CacheRequest",
-    "CopyHandle",
-    "HostTier",
-    "KVBackend",
-    "KVCacheConfig",
-    "KVCacheManager",
-    "KVCacheStats",
-    "LookupResult",
-    "PagedBatchMetadata",
-    "TransferError",
-    "UserInFlightError",
-    "build_metadata",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVBackend": "backend",
+    "KVCacheConfig": "config",
+    "HostTier": "host_tier",
+    "KVCacheManager": "manager",
+    "TierReadError": "manager",
+    "UserInFlightError": "manager",
+    "PagedBatchMetadata": "metadata",
+    "build_metadata": "metadata",
+    "BatchPlan": "plan",
+    "LookupResult": "plan",
+    "CacheRequest": "request",
+    "KVCacheStats": "stats",
+    "TieredBackend": "tiered",
+    "CopyHandle": "transfer",
+    "TransferError": "transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -77,6 +77,28 @@ class KVBackend(ABC):
     def publish(self, key: Key, slots: torch.Tensor, ok: bool) -> None:
         """Make reserved slots readable (``ok``) or give them back."""
 
+    # Tiers below the host (SSD, remote) are read into host slots by asynchronous tasks, FlexKV
+    # style: ``match`` reports what each tier holds, ``prefetch`` launches one batched task that
+    # brings those pages into host slots, ``wait`` finishes it (only the longest successfully read
+    # prefix of each user is published), ``poll`` reaps tasks that ended meanwhile.
+    def prefetch(self, requests: list[tuple[Key, torch.Tensor, int, int, int, dict[str, int]]]) -> int | None:
+        """Launch one task for ``(key, tokens, start, length, seed, tier_pages)`` requests;
+        returns a task id, or None when there is nothing to fetch."""
+        return None
+
+    def wait(self, task_id: int, timeout: float | None = None) -> str:
+        """Finish a task: ``"ready"``, ``"failed"``, ``"timed_out"`` or ``"cancelled"``."""
+        return "ready"
+
+    def poll(self) -> None:
+        """Reap tasks that ended since the last call (never blocks)."""
+        return None
+
+    @property
+    def fail_open(self) -> bool:
+        """A lower-tier read that fails or times out is a miss (True) or an error (False)."""
+        return True
+
     @abstractmethod
     def evict(self, key: Key) -> None:
         """Drop what is stored for ``key`` (pinned pages stay until released)."""

@@ -167,22 +167,39 @@ class HostTier(KVBackend):
         self._entries.move_to_end(key)
         return slots
 
-    def publish(self, key: Key, slots: torch.Tensor, ok: bool) -> None:
+    def publish(self, key: Key, slots: torch.Tensor, ok: bool, num_ok: int | None = None,
+                *, from_lower_tier: bool = False) -> None:
+        """Make the reservation readable: all of it (``ok``), its first ``num_ok`` pages, or none.
+
+        ``from_lower_tier``: the pages were read from a tier below (no write-back to it).
+        """
         entry = self._entries[key]
         res = entry.pending.popleft()
         assert res.slots is slots, f"host publishes out of order for {key}"
-        if ok and not res.doomed:
-            entry.slots.extend(res.slots.tolist())
-            entry.hashes.extend(res.hashes)
-            self._counters["host_pages_written"] += len(res.hashes)
+        n = len(res.hashes)
+        good = 0 if (not ok or res.doomed) else (n if num_ok is None else max(0, min(num_ok, n)))
+        if good:
+            first = len(entry.hashes)
+            entry.slots.extend(res.slots[:good].tolist())
+            entry.hashes.extend(res.hashes[:good])
+            self._counters["host_pages_written"] += good
             self._tick(entry)
+            self._on_published(key, first, res.slots[:good], res.hashes[:good], from_lower_tier)
+        if good == n:
             return
         # NOTE: later reservations of this user would leave a hole in the prefix: they fail too.
         for later in entry.pending:
             later.doomed = True
-        self._free.extend(res.slots.tolist())
+        self._free.extend(res.slots[good:].tolist())
         if not entry.slots and not entry.pending and entry.pins == 0:
             del self._entries[key]
+
+    def _on_published(self, key: Key, first_page: int, slots: torch.Tensor, hashes: list[int],
+                      from_lower_tier: bool) -> None:
+        """Hook: pages ``first_page..`` of ``key`` just became readable in ``slots``."""
+
+    def _on_drop(self, key: Key, slots: list[int], hashes: list[int]) -> None:
+        """Hook: the host tier is about to free these pages of ``key`` (eviction)."""
 
     # ----------------------------------------------------------------- eviction
     def _truncate(self, entry: _HostEntry, num_pages: int) -> None:
@@ -191,9 +208,11 @@ class HostTier(KVBackend):
         del entry.hashes[num_pages:]
         self._tick(entry)
 
-    def _drop(self, key: Key, entry: _HostEntry) -> None:
+    def _drop(self, key: Key, entry: _HostEntry, *, spill: bool = True) -> None:
         self._counters["host_evicted_users"] += 1
         self._counters["host_evicted_pages"] += len(entry.slots)
+        if spill and entry.slots:
+            self._on_drop(key, list(entry.slots), list(entry.hashes))
         self._free.extend(entry.slots)
         del self._entries[key]
 
@@ -203,14 +222,14 @@ class HostTier(KVBackend):
             return
         if entry.busy:
             raise ValueError(f"user {key[1]} is being read or written in the host tier; cannot evict now")
-        self._drop(key, entry)
+        self._drop(key, entry, spill=False)
 
     def clear(self) -> None:
         busy = [k for k, e in self._entries.items() if e.busy]
         if busy:
             raise ValueError(f"host tier has in-flight users {[k[1] for k in busy]}; flush first")
         for k in list(self._entries):
-            self._drop(k, self._entries[k])
+            self._drop(k, self._entries[k], spill=False)
 
     # ----------------------------------------------------------------- introspection
     def lru_order(self) -> list[Key]:

@@ -55,6 +55,10 @@ def _config_dtypes() -> dict[str, torch.dtype]:
     return _DTYPES
 
 
+class TierReadError(RuntimeError):
+    """A lower-tier read failed or timed out and the backend is fail-closed."""
+
+
 class UserInFlightError(RuntimeError):
     """A user is already part of a step that has not been committed or aborted."""
 
@@ -203,12 +207,19 @@ class KVCacheManager:
             names = self.backend.tier_names if self.backend is not None else ()
             dev_tokens, versions = [], []
             tier_pages: dict[str, list[int]] = {t: [] for t in names}
+            fetch = []
             for b, key in enumerate(keys):
                 dev, tiers, ver = self._match(key, request, b)
                 dev_tokens.append(dev)
                 versions.append(ver)
                 for t in names:
                     tier_pages[t].append(tiers.get(t, 0))
+                if tiers and max(tiers.values()) > tiers.get(names[0], 0):
+                    fetch.append((key, request.tokens, request.history_offsets[b], request.history_lengths[b],
+                                  self._seed, tiers))
+            # NOTE: lower-tier pages start moving into host slots now; allocate waits for them, so
+            # the read overlaps whatever the caller does in between.
+            task = self.backend.prefetch(fetch) if fetch else None
             self._stats.lookups += 1
             self._stats.lookup_users += len(keys)
         P = self.config.page_size
@@ -216,7 +227,7 @@ class KVCacheManager:
         cached = list(dev_tokens)
         for t in names:
             cached = [max(c, x) for c, x in zip(cached, tier_tokens[t])]
-        return LookupResult(request, ns, keys, dev_tokens, tier_tokens, cached, tier_pages, versions)
+        return LookupResult(request, ns, keys, dev_tokens, tier_tokens, cached, tier_pages, versions, task)
 
     # ------------------------------------------------------------------ allocate
     def _evictable_pages(self, exclude: set[Key]) -> int:
@@ -261,6 +272,11 @@ class KVCacheManager:
             if lookup.namespace != self.namespace:
                 lookup = self.lookup(req)
             keys, entries, backend = lookup.keys, self._entries, self.backend
+            if lookup.prefetch_task is not None:
+                state = backend.wait(lookup.prefetch_task)
+                lookup.prefetch_task = None
+                if state != "ready" and not backend.fail_open:
+                    raise TierReadError(f"lower-tier read for users {[k[1] for k in keys]} ended {state!r}")
             host_seen = lookup.tier_pages[backend.tier_names[0]] if backend is not None else None
             # Pass 1 decides, changing nothing (so a refusal leaves the cache as it was).
             keep, onboard, fresh_counts, cached, device_tokens = [], [], [], [], []
@@ -518,6 +534,8 @@ class KVCacheManager:
                 entry.offloads -= 1
 
     def _reap(self) -> int:
+        if self.backend is not None:
+            self.backend.poll()
         while self._jobs:
             job = self._jobs[0]
             try:

@@ -37,6 +37,8 @@ class LookupResult:
     # tier pages held (tier name -> [B]) and state versions seen, for allocate's revalidation
     tier_pages: dict[str, list[int]]
     versions: list[tuple[int, int]]
+    # a lower-tier read launched by this lookup (allocate waits for it)
+    prefetch_task: int | None = None
 
     @property
     def hit_rate(self) -> float:

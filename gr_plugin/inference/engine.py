@@ -44,12 +44,16 @@ class RankingEngine:
         host = host_batch(batch)
         if self.validate:
             self.model.validate(*batch_to_kjts(host))
+        total = int(host.history_lengths.sum())
+        lookup = None
+        if self.cache is not None:
+            # NOTE: lookup first: lower-tier reads it starts overlap the transfer and KJT building.
+            lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
         dev = batch.to(self.device)
         history, candidates = batch_to_kjts(dev)
-        total = int(host.history_lengths.sum())
         if self.cache is None:
             return StepResult(self.model(history, candidates), computed_tokens=total)
-        plan = self.cache.begin(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
+        plan = self.cache.begin(lookup)
         if plan is None:
             logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
             return StepResult(self.model(history, candidates), computed_tokens=total, fell_back=True)

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
+from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.inference.inputs import batch_cache_keys, host_batch
 from gr_plugin.modules import KVCacheModule
 
@@ -33,7 +34,8 @@ _LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_computed",
 
 class KVCacheCallback(Callback):
     """Args:
-        backend: ``"gpu"`` (device pages only) or ``"native"`` (device pages + pinned host tier).
+        backend: ``"gpu"`` (device pages only), ``"native"`` (device pages + pinned host tier) or
+            ``"flexkv"`` (+ SSD and remote tiers as ``tiers`` says).
         page_size, num_pages: device pages; host_cache_gb: the host tier's capacity.
         dtype: cache dtype (default: the model's parameter dtype).
         namespace: identity salt (model name/version).
@@ -42,14 +44,15 @@ class KVCacheCallback(Callback):
 
     def __init__(self, backend: str = "native", *, page_size: int = 32, num_pages: int = 1024,
                  host_cache_gb: float = 0.25, dtype: str | None = None, namespace: str = "gr_plugin",
-                 write_through: bool = True, stages: tuple[str, ...] = _STAGES) -> None:
+                 write_through: bool = True, stages: tuple[str, ...] = _STAGES,
+                 tiers: TierConfig | None = None) -> None:
         super().__init__()
         for s in stages:
             if s not in _STAGES:
                 raise ValueError(f"KVCacheCallback stage {s!r} is not one of {list(_STAGES)}")
         self.backend, self.page_size, self.num_pages = backend, page_size, num_pages
         self.host_cache_gb, self.dtype, self.namespace = host_cache_gb, dtype, namespace
-        self.write_through, self.stages = write_through, tuple(stages)
+        self.write_through, self.stages, self.tiers = write_through, tuple(stages), tiers
         self.cache: KVCacheModule | None = None
         self.metrics: dict[str, dict[str, float]] = {}
         self._fallbacks = 0
@@ -66,7 +69,7 @@ class KVCacheCallback(Callback):
                               device=str(param.device), namespace=self.namespace)
         host_bytes = int(self.host_cache_gb * (1 << 30)) if self.backend != "gpu" else 0
         probe.host_cache_bytes = host_bytes
-        cache = KVCacheModule(probe, self.backend, write_through=self.write_through)
+        cache = KVCacheModule(probe, self.backend, write_through=self.write_through, tiers=self.tiers)
         logger.info("KV cache on %s: %s", param.device, cache.extra_repr())
         return cache
 

@@ -16,30 +16,44 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gr_plugin.cache import BatchPlan, CacheRequest, HostTier, KVBackend, KVCacheConfig, KVCacheManager
+from gr_plugin.cache import (
+    BatchPlan,
+    CacheRequest,
+    HostTier,
+    KVBackend,
+    KVCacheConfig,
+    KVCacheManager,
+    LookupResult,
+    TieredBackend,
+)
+from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.modules.tokens import TokenLayout
 from gr_plugin.ops import paged_hstu_attention
 
-BACKENDS = ("gpu", "native")
+BACKENDS = ("gpu", "native", "flexkv")
 
 
-def make_backend(name: str) -> KVBackend | None:
-    """``gpu``: device pages only; ``native``: device pages + the pinned host tier."""
+def make_backend(name: str, tiers: TierConfig | None = None) -> KVBackend | None:
+    """``gpu``: device pages only; ``native``: + the pinned host tier; ``flexkv``: + SSD and remote
+    tiers as ``tiers`` says (gr_plugin's built-in tiered engine)."""
     if name == "gpu":
         return None
     if name == "native":
         return HostTier()
+    if name == "flexkv":
+        return TieredBackend(tiers if tiers is not None else TierConfig())
     raise ValueError(f"unknown cache backend {name!r}; choose one of {list(BACKENDS)}")
 
 
 class KVCacheModule(nn.Module):
     def __init__(self, config: KVCacheConfig, backend: str | KVBackend | None = "native",
-                 device: torch.device | str | None = None, *, write_through: bool = True) -> None:
+                 device: torch.device | str | None = None, *, write_through: bool = True,
+                 tiers: TierConfig | None = None) -> None:
         super().__init__()
         if device is not None:
             config = dataclasses.replace(config, device=str(torch.device(device)))
         if isinstance(backend, str):
-            backend = make_backend(backend)
+            backend = make_backend(backend, tiers)
         if backend is not None and config.host_cache_bytes == 0:
             raise ValueError("a lower-tier backend needs host_cache_bytes > 0 (kvcache host_cache_gb)")
         self.manager = KVCacheManager(config, backend, write_through=write_through)
@@ -56,11 +70,23 @@ class KVCacheModule(nn.Module):
         return self
 
     # ------------------------------------------------------------------ step lifecycle
-    def begin(self, user_ids: Sequence[int], history_lengths: Sequence[int],
-              token_keys: torch.Tensor) -> BatchPlan | None:
-        """Lookup + allocate + launch the onboard copy. ``None``: the batch does not fit; run
-        the full pass instead. ``token_keys``: int64 CPU ``[sum(L)]`` (see `cache_token_keys`)."""
-        return self.manager.prepare(CacheRequest(user_ids, history_lengths, token_keys))
+    def lookup(self, user_ids: Sequence[int], history_lengths: Sequence[int],
+               token_keys: torch.Tensor) -> LookupResult:
+        """What the cache holds for these users; lower-tier reads start here (they overlap
+        whatever the caller does before `begin`). ``token_keys``: int64 CPU ``[sum(L)]``."""
+        return self.manager.lookup(CacheRequest(user_ids, history_lengths, token_keys))
+
+    def begin(self, lookup_or_users: LookupResult | Sequence[int], history_lengths: Sequence[int] | None = None,
+              token_keys: torch.Tensor | None = None) -> BatchPlan | None:
+        """Allocate + launch the onboard copy, from a `lookup` result (or users, lengths, keys).
+        ``None``: the batch does not fit; run the full pass instead."""
+        lookup = lookup_or_users
+        if not isinstance(lookup, LookupResult):
+            lookup = self.lookup(lookup_or_users, history_lengths, token_keys)
+        plan = self.manager.allocate(lookup)
+        if plan is not None:
+            self.manager.onboard_launch(plan)
+        return plan
 
     def commit(self, plan: BatchPlan) -> None:
         self.manager.commit(plan)

@@ -74,3 +74,37 @@ def test_random_streams_with_pressure_edits_and_failures(backend, seed):
     assert s["evicted_users"] > 0 and s["tokens_reused_device"] > 0
     if backend == "native":
         assert s["tokens_reused_host"] > 0
+
+
+def test_flexkv_streams_through_every_tier_equal_recompute(tmp_path, redis_url):
+    """A device cache for ~2 users, a host tier for ~3, SSD and Redis below: users fall to the
+    lower tiers and come back; every score equals the full pass."""
+    from gr_plugin.cache.tiers import TierConfig
+
+    model = tiny_model(5)
+    c = model.config
+    page_bytes = tiny_cache(model, backend="gpu").config.page_bytes
+    tiers = TierConfig(cpu_cache_gb=10 * page_bytes / 2**30, ssd_cache_gb=400 * page_bytes / 2**30,
+                       ssd_cache_dir=str(tmp_path / "ssd"), enable_3rd_remote=True, remote_url=redis_url)
+    from gr_plugin.cache import KVCacheConfig
+    from gr_plugin.modules import KVCacheModule
+
+    cfg = KVCacheConfig(num_layers=c.num_layers, num_heads=c.num_heads, head_dim=c.head_dim, page_size=4,
+                        num_pages=12, host_cache_bytes=10 * page_bytes)
+    cache = KVCacheModule(cfg, "flexkv", tiers=tiers)
+    g = torch.Generator().manual_seed(9)
+    users = [User(u, g) for u in range(5)]
+    for step in range(20):
+        batch = [users[step % 5]]
+        batch[0].grow(int(torch.randint(1, 7, (1,), generator=g)))
+        cands = [batch[0].candidates(3)]
+        out, plan = cached_scores(model, cache, batch, cands)
+        if plan is None:
+            continue
+        assert_same(out, full_scores(model, batch, cands))
+        cache.manager.offload_flush()
+        cache.manager.backend.flush_writes()
+        cache.manager.check()
+    s = cache.stats()
+    assert s["ssd_pages_fetched"] > 0 and s["tokens_reused_host"] > 0 and s["evicted_users"] > 0
+    assert s["remote_pages_written"] > 0

@@ -4,20 +4,32 @@ Each store keeps the `PageStore` contract (`types`): whole pages keyed by `PageK
 ``put_many`` / ``get_many`` / ``match``, verified reads, thread safety, and no exception for I/O or
 network failures. `TierConfig` describes the tiers in FlexKV's terms. This package does not move
 pages between the device, the host tier and these stores; the tiered backend does. ``redis`` is
-imported only when a `RedisPageStore` is built.
+imported only when a `RedisPageStore` is built; names load on first use (`flexkv_config` imports
+no torch, so Hydra plugins can use it cheaply).
 """
 
-from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, tier_config_to_yaml
-from gr_plugin.cache.tiers.remote import RedisPageStore
-from gr_plugin.cache.tiers.ssd import SSDPageStore
-from gr_plugin.cache.tiers.types import PageKey, PageStore
+from __future__ import annotations
 
-__all__ = [
-    "PageKey",
-    "PageStore",
-    "RedisPageStore",
-    "SSDPageStore",
-    "TierConfig",
-    "load_tier_config",
-    "tier_config_to_yaml",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TierConfig": "flexkv_config",
+    "load_tier_config": "flexkv_config",
+    "tier_config_to_yaml": "flexkv_config",
+    "RedisPageStore": "remote",
+    "SSDPageStore": "ssd",
+    "PageKey": "types",
+    "PageStore": "types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -288,15 +288,16 @@ class RedisPageStore(PageStore):
             why = f"header of {len(header)} bytes does not end where the page starts"
         return why
 
-    def match(self, namespace: str, user_id: int, page_hashes: list[int]) -> int:
+    def match(self, namespace: str, user_id: int, page_hashes: list[int], start: int = 0) -> int:
         """Leading pages of ``page_hashes`` whose keys exist (pipelined EXISTS, stops at the first
-        batch with a missing page); 0 when the server cannot be reached."""
-        if not page_hashes or not self._available():
-            return 0
-        start = time.perf_counter()
+        batch with a missing page); 0 when the server cannot be reached. ``start``: pages before it
+        are known to be held elsewhere (an upper tier) and are not asked for; they count."""
+        if len(page_hashes) <= start or not self._available():
+            return min(start, len(page_hashes)) if start else 0
+        t0 = time.perf_counter()
         prefix = self._user_prefix(namespace, user_id)
-        commands = [("exists", (f"{prefix}{i}:{h:032x}",), {}) for i, h in enumerate(page_hashes)]
-        held = 0
+        commands = [("exists", (f"{prefix}{i}:{page_hashes[i]:032x}",), {}) for i in range(start, len(page_hashes))]
+        held = start
         try:
             for replies in self._pipelined(commands):
                 for reply in replies:
@@ -312,7 +313,7 @@ class RedisPageStore(PageStore):
             self._failed("EXISTS", exc)
             return 0
         finally:
-            self._count(match_latency_s=time.perf_counter() - start)
+            self._count(match_latency_s=time.perf_counter() - t0)
         return held
 
     # ----------------------------------------------------------------- eviction

@@ -1,4 +1,4 @@
-"""Fixtures of the tier tests: a real ``redis-server`` that a test may kill and restart.
+"""Fixtures of the remote-tier tests: a real ``redis-server`` that a test may kill and restart.
 
 ``redis_server`` (session) starts ``/usr/bin/redis-server`` on a free port of 127.0.0.1 with no
 persistence; ``redis_url`` (per test) makes sure it runs and is empty. A missing ``redis-server``

@@ -1,0 +1,380 @@
+"""`TieredBackend`: the pinned host tier with an SSD tier and a shared remote tier below it.
+
+Owns the policy between the tiers (what the ``flexkv`` option runs): which tier holds a prefix
+(``match``), the batched, asynchronous reads that bring lower-tier pages into host slots
+(``prefetch`` -> ``wait``/``try_wait``/``cancel``, FlexKV's task life), and the writes down:
+write-through from host to SSD (or SSD on host eviction) and to the remote store. Data from SSD or
+remote always lands in pinned host slots first; the manager onboards it to the device layer by
+layer like any host hit. The byte formats and I/O belong to the stores (`tiers.ssd`,
+`tiers.remote`); the host slots and LRU to `HostTier`.
+
+Failure policy: a lower-tier read that fails, is corrupt, or outlives ``task_timeout_s`` is a miss
+(fail-open, the default: the tokens are recomputed) or an error (``fail_open=False``). A write that
+fails is counted and logged, never fatal. A task that is cancelled, fails or times out releases
+every slot it reserved (slots a worker may still be writing are released when it finishes); of a
+task that succeeds, only each user's longest successfully read prefix is published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from gr_plugin.cache.backend import Key
+from gr_plugin.cache.config import KVCacheConfig
+from gr_plugin.cache.hashing import StreamHasher
+from gr_plugin.cache.host_tier import HostTier
+from gr_plugin.cache.tiers.flexkv_config import TierConfig
+from gr_plugin.cache.tiers.types import PageKey, PageStore
+
+logger = logging.getLogger(__name__)
+
+
+class TaskState(enum.Enum):
+    LAUNCHED = "launched"
+    READY = "ready"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass
+class _FetchItem:
+    key: Key
+    first_page: int
+    hashes: list[int]  # prefix hashes of pages first_page .. first_page + n
+    sources: list[str]  # per page: "ssd" | "remote"
+    slots: torch.Tensor  # reserved host slots
+    ok_pages: int = 0  # leading pages read and verified (set by the worker)
+
+
+@dataclasses.dataclass
+class FetchTask:
+    task_id: int
+    items: list[_FetchItem]
+    future: Future
+    launched_at: float
+    state: TaskState = TaskState.LAUNCHED
+    finalized: bool = False
+    doomed: bool = False  # cancelled or timed out: release, never publish
+
+    def results(self) -> dict[Key, int]:
+        """Pages per user that this task made readable in the host tier."""
+        if self.state != TaskState.READY:
+            return {it.key: 0 for it in self.items}
+        return {it.key: it.ok_pages for it in self.items}
+
+
+def request_page_hashes(tokens: torch.Tensor, start: int, num_pages: int, page_size: int, seed: int) -> list[int]:
+    """Prefix hashes of the first ``num_pages`` pages of a history (one streaming pass)."""
+    h = StreamHasher(seed)
+    out = []
+    for i in range(num_pages):
+        h.update(tokens, start + i * page_size, start + (i + 1) * page_size)
+        out.append(h.digest())
+    return out
+
+
+class TieredBackend(HostTier):
+    """Host tier + optional SSD (`SSDPageStore`) and remote (`RedisPageStore`) tiers."""
+
+    def __init__(self, tiers: TierConfig, *, pin_memory: bool | None = None, ssd: PageStore | None = None,
+                 remote: PageStore | None = None, num_workers: int = 2) -> None:
+        super().__init__(pin_memory)
+        if tiers.write_policy not in ("write_through", "on_evict"):
+            raise ValueError(f"write_policy must be 'write_through' or 'on_evict', got {tiers.write_policy!r}")
+        self.tiers = tiers
+        self._ssd, self._remote = ssd, remote
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="gr-kv-tier")
+        self._tasks: dict[int, FetchTask] = {}
+        self._fetching: dict[Key, int] = {}
+        self._writes: list[Future] = []
+        self._write_lock = threading.Lock()
+        self._task_ids = itertools.count(1)
+        self._tier_counters = {
+            "tasks_launched": 0, "tasks_ready": 0, "tasks_failed": 0, "tasks_timed_out": 0,
+            "tasks_cancelled": 0, "task_latency_s_sum": 0.0, "task_latency_s_max": 0.0,
+            "ssd_pages_fetched": 0, "remote_pages_fetched": 0, "fetch_pages_failed": 0,
+            "ssd_pages_written": 0, "remote_pages_written": 0, "lower_writes_failed": 0,
+        }
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("host", *(["ssd"] if self._ssd is not None or self.tiers.ssd_cache_gb > 0 else []),
+                *(["remote"] if self._remote is not None or self.tiers.enable_3rd_remote else []))
+
+    @property
+    def fail_open(self) -> bool:
+        return self.tiers.fail_open
+
+    # ----------------------------------------------------------------- setup
+    def bind(self, config: KVCacheConfig) -> None:
+        super().bind(config)
+        if config.torch_device.type == "meta":
+            return
+        if self._ssd is None and self.tiers.ssd_cache_gb > 0:
+            from gr_plugin.cache.tiers.ssd import SSDPageStore
+
+            if not self.tiers.ssd_cache_dir:
+                raise ValueError("ssd_cache_gb > 0 needs ssd_cache_dir")
+            self._ssd = SSDPageStore(self.tiers.ssd_cache_dirs[0], self.tiers.ssd_cache_bytes, config.page_bytes,
+                                     num_threads=self.tiers.ssd_num_threads, o_direct=self.tiers.ssd_o_direct)
+        if self._remote is None and self.tiers.enable_3rd_remote:
+            from gr_plugin.cache.tiers.remote import RedisPageStore
+
+            self._remote = RedisPageStore(self.tiers.remote_url, page_bytes=config.page_bytes)
+
+    def _stores(self) -> list[tuple[str, PageStore]]:
+        return [(n, s) for n, s in (("ssd", self._ssd), ("remote", self._remote)) if s is not None]
+
+    # ----------------------------------------------------------------- reading
+    def version(self, key: Key) -> int:
+        v = super().version(key)
+        # NOTE: 0, not -1, when the host holds nothing but a lower tier might: the manager then asks.
+        return 0 if v == -1 and self._stores() else v
+
+    def match(self, key: Key, tokens: torch.Tensor, start: int, length: int, seed: int,
+              min_pages: int = 0) -> dict[str, int]:
+        host = super().match(key, tokens, start, length, seed, 0)["host"]
+        out = {"host": host}
+        full = length // self.config.page_size
+        if full <= max(host, min_pages) or not self._stores():
+            for name, _ in self._stores():
+                out[name] = host
+            return out
+        hashes = request_page_hashes(tokens, start, full, self.config.page_size, seed)
+        best = host
+        for name, store in self._stores():
+            if name == "remote":
+                got = store.match(key[0], key[1], hashes, start=best)
+            else:
+                got = store.match(key[0], key[1], hashes)
+            best = max(best, got)
+            out[name] = best
+        return out
+
+    def prefetch(self, requests) -> int | None:
+        """One batched task reading, for each request whose lower tiers hold more than the host,
+        the missing pages into reserved host slots."""
+        self.poll()
+        P = self.config.page_size
+        items = []
+        for key, tokens, start, _length, seed, tiers in requests:
+            if key in self._fetching:
+                continue
+            host = tiers.get("host", 0)
+            upto = max(tiers.values())
+            if upto <= host:
+                continue
+            hashes = request_page_hashes(tokens, start, upto, P, seed)
+            slots = self.reserve(key, host, hashes[host:upto])
+            if slots is None:
+                continue
+            ssd_upto = tiers.get("ssd", host)
+            sources = ["ssd" if i < ssd_upto else "remote" for i in range(host, upto)]
+            items.append(_FetchItem(key, host, hashes[host:upto], sources, slots))
+        if not items:
+            return None
+        task = FetchTask(next(self._task_ids), items, Future(), time.perf_counter())
+        task.future = self._pool.submit(self._run_fetch, items)
+        self._tasks[task.task_id] = task
+        for it in items:
+            self._fetching[it.key] = task.task_id
+        self._tier_counters["tasks_launched"] += 1
+        return task.task_id
+
+    def _run_fetch(self, items: list[_FetchItem]) -> None:
+        """Worker: read every page of the task from its tier into staging, then into the reserved
+        host slots (not readable until published on the manager's thread)."""
+        cfg = self.config
+        row = (cfg.num_layers, 2, cfg.page_size, cfg.num_heads, cfg.head_dim)
+        ok: dict[tuple[int, int], bool] = {}
+        for name, store in self._stores():
+            where = [(i, j) for i, it in enumerate(items) for j, src in enumerate(it.sources) if src == name]
+            if not where:
+                continue
+            keys = [PageKey(items[i].key[0], items[i].key[1], items[i].first_page + j, items[i].hashes[j])
+                    for i, j in where]
+            staging = torch.empty((len(keys), *row), dtype=cfg.torch_dtype)
+            got = store.get_many(keys, staging)
+            good = [n for n, g in enumerate(got) if g]
+            if good:
+                idx = torch.tensor(good, dtype=torch.int64)
+                slots = torch.stack([items[where[n][0]].slots[where[n][1]] for n in good])
+                self.host_table.index_copy_(1, slots, staging.index_select(0, idx).transpose(0, 1))
+            for n, (i, j) in enumerate(where):
+                ok[(i, j)] = got[n]
+        for i, it in enumerate(items):
+            n = 0
+            while n < len(it.sources) and ok.get((i, n), False):
+                n += 1
+            it.ok_pages = n
+
+    def _finalize(self, task: FetchTask) -> None:
+        """Publish (or release) a finished task's reservations; manager thread only, once."""
+        if task.finalized:
+            return
+        task.finalized = True
+        c = self._tier_counters
+        if task.state == TaskState.LAUNCHED:  # (timed-out and cancelled tasks were counted then)
+            error = None if task.future.cancelled() else task.future.exception()
+            if error is not None:
+                logger.warning("lower-tier read task %d failed: %r", task.task_id, error)
+            task.state = TaskState.FAILED if error is not None else TaskState.READY
+            c[f"tasks_{task.state.value}"] += 1
+            latency = time.perf_counter() - task.launched_at
+            c["task_latency_s_sum"] += latency
+            c["task_latency_s_max"] = max(c["task_latency_s_max"], latency)
+        for it in task.items:
+            if self._fetching.get(it.key) == task.task_id:
+                del self._fetching[it.key]
+            good = it.ok_pages if task.state == TaskState.READY else 0
+            for src in it.sources[:good]:
+                c[f"{src}_pages_fetched"] += 1
+            c["fetch_pages_failed"] += len(it.sources) - good
+            self.publish(it.key, it.slots, good > 0, good, from_lower_tier=True)
+        del self._tasks[task.task_id]
+
+    def _abandon(self, task: FetchTask, state: TaskState) -> None:
+        """Stop waiting for a task: nothing of it will be published; its slots are released when
+        its worker is done (now, if it never started)."""
+        task.state = state
+        self._tier_counters[f"tasks_{state.value}"] += 1
+        task.future.cancel()
+        for it in task.items:
+            if self._fetching.get(it.key) == task.task_id:
+                del self._fetching[it.key]
+        if task.future.done():
+            self._finalize(task)
+
+    def try_wait(self, task_id: int) -> TaskState:
+        """The task's state, finishing it if its worker is done; never blocks."""
+        task = self._tasks.get(task_id)
+        if task is None:
+            return TaskState.READY
+        if task.future.done():
+            self._finalize(task)
+        return task.state
+
+    def wait(self, task_id: int, timeout: float | None = None) -> str:
+        """Finish a task within ``timeout`` (default ``task_timeout_s``); returns its state."""
+        task = self._tasks.get(task_id)
+        if task is None:
+            return TaskState.READY.value
+        timeout = self.tiers.task_timeout_s if timeout is None else timeout
+        try:
+            task.future.result(timeout=timeout)
+        except FutureTimeout:
+            logger.warning("lower-tier read task %d timed out after %.3fs: those pages are a miss", task_id, timeout)
+            self._abandon(task, TaskState.TIMED_OUT)
+            return task.state.value
+        except Exception:
+            pass
+        self._finalize(task)
+        return task.state.value
+
+    def cancel(self, task_id: int) -> None:
+        task = self._tasks.get(task_id)
+        if task is not None and task.state == TaskState.LAUNCHED:
+            self._abandon(task, TaskState.CANCELLED)
+
+    def poll(self) -> None:
+        for task in list(self._tasks.values()):
+            if task.future.done():
+                self._finalize(task)
+        with self._write_lock:
+            self._writes = [f for f in self._writes if not f.done()]
+
+    # ----------------------------------------------------------------- writing down
+    def _stage(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pages of these host slots as one contiguous ``[n, L, 2, P, H, D]`` CPU tensor."""
+        return self.host_table.index_select(1, slots).transpose(0, 1).contiguous()
+
+    def _write_down(self, key: Key, first_page: int, hashes: list[int], pages: torch.Tensor,
+                    targets: list[tuple[str, PageStore]]) -> None:
+        keys = [PageKey(key[0], key[1], first_page + i, h) for i, h in enumerate(hashes)]
+
+        def run() -> None:
+            for name, store in targets:
+                try:
+                    done = store.put_many(keys, pages)
+                except Exception:
+                    logger.warning("%s write of user %s failed", name, key[1], exc_info=True)
+                    done = [False] * len(keys)
+                with self._write_lock:
+                    self._tier_counters[f"{name}_pages_written"] += sum(done)
+                    self._tier_counters["lower_writes_failed"] += len(done) - sum(done)
+
+        with self._write_lock:
+            self._writes.append(self._pool.submit(run))
+
+    def _on_published(self, key: Key, first_page: int, slots: torch.Tensor, hashes: list[int],
+                      from_lower_tier: bool) -> None:
+        targets = []
+        if self._ssd is not None and self.tiers.write_policy == "write_through" and not from_lower_tier:
+            targets.append(("ssd", self._ssd))
+        if self._remote is not None and self.tiers.remote_write_through and not from_lower_tier:
+            targets.append(("remote", self._remote))
+        if targets:
+            # NOTE: staged now, on the caller's thread: the slots may be evicted and reused before
+            # the writer thread runs.
+            self._write_down(key, first_page, hashes, self._stage(slots), targets)
+
+    def _on_drop(self, key: Key, slots: list[int], hashes: list[int]) -> None:
+        if self._ssd is not None and self.tiers.write_policy == "on_evict":
+            self._write_down(key, 0, hashes, self._stage(torch.tensor(slots, dtype=torch.int64)),
+                             [("ssd", self._ssd)])
+
+    def flush_writes(self) -> None:
+        """Block until every write to the lower tiers has finished."""
+        with self._write_lock:
+            pending = list(self._writes)
+        for f in pending:
+            f.result()
+        self.poll()
+
+    # ----------------------------------------------------------------- eviction / lifecycle
+    def evict(self, key: Key) -> None:
+        super().evict(key)
+        for _, store in self._stores():
+            store.evict_user(key[0], key[1])
+
+    def clear(self) -> None:
+        super().clear()
+        self.flush_writes()
+        for _, store in self._stores():
+            store.clear()
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(self._tier_counters)
+        out["tasks_in_flight"] = len(self._tasks)
+        with self._write_lock:
+            out["writes_in_flight"] = sum(not f.done() for f in self._writes)
+        for name, store in self._stores():
+            out.update({f"{name}_{k}": v for k, v in store.stats().items()})
+        return out
+
+    def check(self) -> None:
+        super().check()
+        if self._ssd is not None and hasattr(self._ssd, "check"):
+            self._ssd.check()
+
+    def close(self) -> None:
+        for task in list(self._tasks.values()):
+            if task.state == TaskState.LAUNCHED:
+                self._abandon(task, TaskState.CANCELLED)
+        self._pool.shutdown(wait=True)
+        for task in list(self._tasks.values()):
+            self._finalize(task)
+        for _, store in self._stores():
+            store.close()

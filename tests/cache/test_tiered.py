@@ -1,0 +1,240 @@
+"""The tiered backend under the manager: device <-> host <-> SSD / Redis, faults, task semantics.
+
+Every step goes through `run_step`, which reads back every token of every layer and compares it
+with the K/V the history defines: a false hit or a corrupt page fails the test.
+"""
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from gr_plugin.cache import CacheRequest, KVCacheManager, TieredBackend, TierReadError
+from gr_plugin.cache.tiers import TierConfig
+
+from .helpers import history_tokens, run_step, tiny_config
+
+PAGE_BYTES = tiny_config().page_bytes
+
+
+def make(tmp_path, *, num_pages=12, host_pages=6, ssd_pages=64, redis_url=None, ssd=True, **tier_kw):
+    tiers = TierConfig(cpu_cache_gb=host_pages * PAGE_BYTES / 2**30,
+                       ssd_cache_gb=(ssd_pages * 8 * PAGE_BYTES / 2**30) if ssd else 0.0,
+                       ssd_cache_dir=str(tmp_path / "ssd"), enable_3rd_remote=redis_url is not None,
+                       remote_url=redis_url or "redis://127.0.0.1:1/0", **tier_kw)
+    cfg = tiny_config(num_pages=num_pages, host_cache_bytes=host_pages * PAGE_BYTES)
+    return KVCacheManager(cfg, TieredBackend(tiers))
+
+
+def settle(m):
+    m.offload_flush()
+    m.backend.flush_writes()
+
+
+def test_round_trip_device_host_ssd_host_device(tmp_path):
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])  # 4 full pages -> host -> SSD (write-through)
+    settle(m)
+    assert m.stats()["ssd_pages_written"] == 4
+    for u in (2, 3):  # push user 1 out of the host tier (6 slots) and the device
+        run_step(m, [u], [history_tokens(u, 12)])
+        settle(m)
+    m.evict([1])
+    lk = m.lookup(CacheRequest([1], [18], history_tokens(1, 18)))
+    assert lk.device_tokens == [0] and lk.tier_tokens["host"] == [0] and lk.tier_tokens["ssd"] == [16]
+    m.abort(m.allocate(lk))  # the fetched pages are published in the host tier by allocate
+    lk, plan = run_step(m, [1], [history_tokens(1, 18)])  # values of every layer checked
+    assert plan.onboard_tokens == [16] and plan.new_lengths == [2]
+    s = m.stats()
+    assert s["ssd_pages_fetched"] == 4 and s["tasks_ready"] == 1
+    settle(m)
+    m.check()
+
+
+def test_fetch_is_one_batched_task_and_overlaps_until_allocate(tmp_path):
+    m = make(tmp_path, host_pages=8)
+    for u in (1, 2):
+        run_step(m, [u], [history_tokens(u, 8)])
+    settle(m)
+    for u in (3, 4, 5, 6):
+        run_step(m, [u], [history_tokens(u, 8)])
+        settle(m)
+    m.evict([1, 2])
+    req = CacheRequest([1, 2], [9, 9], torch.cat([history_tokens(1, 9), history_tokens(2, 9)]))
+    lk = m.lookup(req)
+    assert lk.prefetch_task is not None and m.stats()["tasks_launched"] == 1
+    plan = m.allocate(lk)
+    assert plan.cached_lengths == [8, 8] and plan.onboard_tokens == [8, 8]
+    m.abort(plan)
+    settle(m)
+    m.check()
+
+
+def test_redis_round_trip_and_a_second_replica_hits(tmp_path, redis_url):
+    a = make(tmp_path / "a", ssd=False, redis_url=redis_url)
+    b = make(tmp_path / "b", ssd=False, redis_url=redis_url)
+    run_step(a, [7], [history_tokens(7, 13)])  # 3 full pages -> host -> Redis
+    settle(a)
+    assert a.stats()["remote_pages_written"] == 3
+    lk, plan = run_step(b, [7], [history_tokens(7, 15)])  # replica B has never seen user 7
+    assert lk.tier_tokens["remote"] == [12] and plan.onboard_tokens == [12] and plan.new_lengths == [3]
+    assert b.stats()["remote_pages_fetched"] == 3
+    settle(b)
+    b.check()
+
+
+def _push_out_of_host(m, user, length=16):
+    for u in (90, 91):
+        run_step(m, [u], [history_tokens(u, 12)])
+        settle(m)
+    m.evict([user])
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncate"])
+def test_corrupt_or_truncated_slab_is_a_miss_and_recomputed(tmp_path, fault):
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    slab = next((tmp_path / "ssd").glob("slab-*.bin"))
+    if fault == "corrupt":
+        with open(slab, "r+b") as f:  # flip bytes everywhere in the slab: every stored page is hit
+            data = bytearray(f.read())
+            for i in range(64, len(data), 4096):
+                data[i] ^= 0xFF
+            f.seek(0)
+            f.write(data)
+    else:
+        os.truncate(slab, 100)
+    _, plan = run_step(m, [1], [history_tokens(1, 17)])  # exact values: the corrupt pages were not used
+    assert plan.onboard_tokens == [0] and plan.new_lengths == [17]
+    s = m.stats()
+    assert s["fetch_pages_failed"] >= 1 and s["ssd_pages_fetched"] == 0
+    settle(m)
+    m.check()
+
+
+def test_ssd_full_or_read_only_is_counted_never_fatal(tmp_path, monkeypatch):
+    m = make(tmp_path, host_pages=6)
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", refuse)
+    monkeypatch.setattr(os, "pwrite", refuse)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    s = m.stats()
+    assert s["ssd_pages_written"] == 0 and s["lower_writes_failed"] == 4
+    lk, _ = run_step(m, [1], [history_tokens(1, 17)])  # the device and host tiers still serve
+    assert lk.device_tokens == [16]
+    m.check()
+
+
+def test_redis_killed_mid_run_then_restarted(tmp_path, redis_server, redis_url):
+    m = make(tmp_path, ssd=False, redis_url=redis_url)
+    run_step(m, [1], [history_tokens(1, 8)])
+    settle(m)
+    redis_server.kill()
+    run_step(m, [2], [history_tokens(2, 8)])  # write-through fails: counted, not fatal
+    settle(m)
+    m.evict([1])
+    _push_out_of_host(m, 1)
+    _, plan = run_step(m, [1], [history_tokens(1, 9)])  # remote unreachable: a miss, recomputed
+    assert plan.new_lengths == [9]
+    settle(m)
+    assert m.stats()["lower_writes_failed"] > 0
+    redis_server.start()
+    time.sleep(1.1)  # the store waits retry_after_s (1 s) before it tries a failed server again
+    before = m.stats()["remote_pages_written"]
+    run_step(m, [3], [history_tokens(3, 8)])
+    settle(m)
+    assert m.stats()["remote_pages_written"] - before == 2  # writes work again after the restart
+    m.check()
+
+
+class SlowStore:
+    """The real SSD store, with reads held back until ``release`` is set."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.release = threading.Event()
+
+    def get_many(self, keys, out):
+        self.release.wait(timeout=10)
+        return self.inner.get_many(keys, out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_a_task_that_times_out_is_a_miss_or_an_error(tmp_path, fail_open):
+    m = make(tmp_path, host_pages=6, task_timeout_s=0.05, fail_open=fail_open)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    slow = SlowStore(m.backend._ssd)
+    m.backend._ssd = slow
+    if fail_open:
+        lk, plan = run_step(m, [1], [history_tokens(1, 17)])
+        assert lk.tier_tokens["ssd"] == [16] and plan.new_lengths == [17]
+    else:
+        lk = m.lookup(CacheRequest([1], [17], history_tokens(1, 17)))
+        with pytest.raises(TierReadError, match="timed_out"):
+            m.allocate(lk)
+    assert m.stats()["tasks_timed_out"] == 1
+    slow.release.set()
+    deadline = time.time() + 5
+    while m.stats()["tasks_in_flight"] and time.time() < deadline:
+        m.offload_try_wait()
+        time.sleep(0.01)
+    m.backend._ssd = slow.inner
+    settle(m)
+    m.check()  # the timed-out task's slots were released, nothing leaked
+    assert m.stats()["host_slots_used"] <= 6
+
+
+def test_a_cancelled_task_releases_its_slots(tmp_path):
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    slow = SlowStore(m.backend._ssd)
+    m.backend._ssd = slow
+    lk = m.lookup(CacheRequest([1], [17], history_tokens(1, 17)))
+    used = m.stats()["host_slots_used"]
+    m.backend.cancel(lk.prefetch_task)
+    slow.release.set()
+    m.backend._ssd = slow.inner
+    plan = m.allocate(lk)  # the cancelled task publishes nothing: a miss
+    assert plan.cached_lengths == [0]
+    m.abort(plan)
+    settle(m)
+    assert m.stats()["tasks_cancelled"] == 1 and m.stats()["host_slots_used"] <= used
+    m.check()
+
+
+def _serve_in_another_process(redis_url: str, ssd_dir: str, user: int, length: int) -> None:
+    m = make(__import__("pathlib").Path(ssd_dir), ssd=False, redis_url=redis_url)
+    run_step(m, [user], [history_tokens(user, length)])
+    settle(m)
+    assert m.stats()["remote_pages_written"] == length // 4
+    m.close()
+
+
+def test_two_processes_share_one_redis(tmp_path, redis_url):
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_serve_in_another_process, args=(redis_url, str(tmp_path / "a"), 42, 17))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == 0
+    b = make(tmp_path / "b", ssd=False, redis_url=redis_url)
+    lk, plan = run_step(b, [42], [history_tokens(42, 19)])  # exact values, from process A's pages
+    assert lk.tier_tokens["remote"] == [16] and plan.onboard_tokens == [16]
+    b.check()
