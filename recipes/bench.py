@@ -13,12 +13,14 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import common, host_overhead
+from gr_plugin.bench import common, host_overhead, soak, tiers
 
 logger = logging.getLogger(__name__)
 
 SUITES = {
     "host_overhead": (host_overhead.run, host_overhead.COLUMNS, "Host overhead of lookup + allocate"),
+    "soak": (soak.run, soak.COLUMNS, "Soak: Zipf request stream through small tiers"),
+    "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
 }
 
 

@@ -149,9 +149,15 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
         cache.manager.offload_flush()
         stats = cache.stats()
         req_tokens = stats["tokens_requested"] or 1
+        page = cache.config.page_size
+        lower = {t: stats.get(f"{t}_pages_fetched", 0) * page for t in ("ssd", "remote")}
         summary.update(
             hit_rate=stats["hit_rate"], hit_rate_device=stats["tokens_reused_device"] / req_tokens,
-            hit_rate_host=stats["tokens_reused_host"] / req_tokens, tokens_reused=stats["tokens_reused"],
+            hit_rate_host=(stats["tokens_reused_host"] - sum(lower.values())) / req_tokens,
+            hit_rate_ssd=lower["ssd"] / req_tokens, hit_rate_remote=lower["remote"] / req_tokens,
+            tier_tasks=stats.get("tasks_launched", 0), tier_task_timeouts=stats.get("tasks_timed_out", 0),
+            tier_task_ms_mean=1e3 * stats.get("task_latency_s_sum", 0.0) / max(1, stats.get("tasks_ready", 0)),
+            tokens_reused=stats["tokens_reused"],
             tokens_computed=stats["tokens_computed"], tokens_requested=stats["tokens_requested"],
             evicted_users=stats["evicted_users"], onboard_bytes=stats["onboard_bytes"],
             offload_bytes=stats["offload_bytes"], fallbacks=sum(bool(r.get("fell_back")) for r in rows),
@@ -224,8 +230,11 @@ def format_table(summary: dict[str, Any]) -> str:
         ("weights", f("weights")),
         ("device / kvcache", f"{f('device')} / {f('kvcache')} (option {f('kvcache_option')})"),
         ("requests (batches, returning batches)", f"{f('requests')} ({f('batches')}, {f('returning_batches')})"),
-        ("hit rate: all / device / host", f"{f('hit_rate', '{:.1%}')} / {f('hit_rate_device', '{:.1%}')} / "
-                                          f"{f('hit_rate_host', '{:.1%}')}"),
+        ("hit rate: all / device / host / ssd / remote",
+         f"{f('hit_rate', '{:.1%}')} / {f('hit_rate_device', '{:.1%}')} / {f('hit_rate_host', '{:.1%}')} / "
+         f"{f('hit_rate_ssd', '{:.1%}')} / {f('hit_rate_remote', '{:.1%}')}"),
+        ("lower-tier read tasks (timed out, mean ms)",
+         f"{f('tier_tasks')} ({f('tier_task_timeouts')}, {f('tier_task_ms_mean')})"),
         ("history tokens reused / computed", f"{f('tokens_reused')} / {f('tokens_computed')}"),
         ("latency ms p50 / p99, cached", f"{f('cached_ms_p50')} / {f('cached_ms_p99')}"),
         ("latency ms p50 / p99, full recompute", f"{f('full_ms_p50')} / {f('full_ms_p99')}"),

@@ -93,7 +93,7 @@ def write_results(name: str, rows: list[dict[str, Any]], columns: list[str], out
         cells = []
         for c in columns:
             v = r.get(c, "")
-            cells.append(f"{v:.1f}" if isinstance(v, float) else str(v))
+            cells.append(f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v)))
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     (out_dir / f"{name}.md").write_text(table)

@@ -146,7 +146,8 @@ class HostTier(KVBackend):
         # edited): its stale tail is dropped, unless someone is reading or writing it.
         stale = held - first_page
         # Feasibility first, so a failed reserve changes nothing.
-        evictable = sum(len(e.slots) for k, e in self._entries.items() if k != key and not e.busy)
+        enough = len(self._free) + max(stale, 0) >= n
+        evictable = 0 if enough else sum(len(e.slots) for k, e in self._entries.items() if k != key and not e.busy)
         if (stale < 0 or (stale > 0 and entry.busy) or n > self._num_slots
                 or len(self._free) + stale + evictable < n):
             self._counters["host_reserve_failed"] += 1

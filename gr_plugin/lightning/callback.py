@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 _STAGES = ("validate", "test", "predict")
 _LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_computed", "onboard_bytes",
-           "offload_bytes", "evicted_users", "fallbacks")
+           "offload_bytes", "evicted_users", "fallbacks", "ssd_pages_fetched", "remote_pages_fetched",
+           "tasks_launched", "tasks_timed_out", "tasks_failed")
 
 
 class KVCacheCallback(Callback):
@@ -82,7 +83,11 @@ class KVCacheCallback(Callback):
         # broadcast, no summary entry); it holds no weights.
         object.__setattr__(pl_module, "kv_cache", self.cache)
         object.__setattr__(pl_module, "kv_plan", None)
-        self._epoch_start[stage] = self.cache.manager.counters.as_dict() | {"fallbacks": self._fallbacks}
+        self._epoch_start[stage] = self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        stats = self.cache.manager.stats()
+        return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
 
     def _detach(self, pl_module: L.LightningModule) -> None:
         object.__setattr__(pl_module, "kv_cache", None)
@@ -108,9 +113,9 @@ class KVCacheCallback(Callback):
         if self.cache is None or stage not in self._epoch_start:
             return
         self.cache.manager.offload_flush()
-        now = self.cache.manager.counters.as_dict() | {"fallbacks": self._fallbacks}
+        now = self._snapshot()
         start = self._epoch_start[stage]
-        delta = {k: now[k] - start[k] for k in _LOGGED if k != "hit_rate"}
+        delta = {k: now[k] - start[k] for k in _LOGGED if k != "hit_rate" and k in now}
         requested = now["tokens_requested"] - start["tokens_requested"]
         delta["hit_rate"] = delta["tokens_reused"] / requested if requested else 0.0
         self.metrics[stage] = {k: float(v) for k, v in delta.items()}
