@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import common, host_overhead, soak, tiers
+from gr_plugin.bench import block, common, host_overhead, soak, tiers
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ SUITES = {
     "host_overhead": (host_overhead.run, host_overhead.COLUMNS, "Host overhead of lookup + allocate"),
     "soak": (soak.run, soak.COLUMNS, "Soak: Zipf request stream through small tiers"),
     "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
+    "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),
 }
 
 

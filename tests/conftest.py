@@ -7,6 +7,10 @@ import os
 import pytest
 import torch
 
+# NOTE: without a GPU the Triton kernels run in Triton's interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")

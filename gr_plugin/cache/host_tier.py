@@ -18,6 +18,7 @@ import torch
 
 from gr_plugin.cache.backend import Key, KVBackend
 from gr_plugin.cache.config import KVCacheConfig
+from gr_plugin.cache.extents import ExtentAllocator
 from gr_plugin.cache.hashing import longest_matching_prefix
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class HostTier(KVBackend):
         self._pin = pin_memory
         self._table: torch.Tensor | None = None
         self._entries: OrderedDict[Key, _HostEntry] = OrderedDict()
-        self._free: deque[int] = deque()
+        self._free = ExtentAllocator(0)
         self._clock = 0
         self._counters = {"host_evicted_users": 0, "host_evicted_pages": 0, "host_reserve_failed": 0,
                           "host_pages_written": 0, "host_pages_read": 0}
@@ -81,7 +82,7 @@ class HostTier(KVBackend):
             self._table = torch.empty(shape, dtype=config.torch_dtype, device="meta")
         else:
             self._table = torch.empty(shape, dtype=config.torch_dtype, pin_memory=pin)
-        self._free = deque(range(num_slots))
+        self._free = ExtentAllocator(num_slots)
         self._num_slots = num_slots
 
     @property
@@ -163,7 +164,7 @@ class HostTier(KVBackend):
         if entry is None:
             entry = self._entries[key] = _HostEntry()
             self._tick(entry)
-        slots = torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
+        slots = torch.tensor(self._free.alloc(n), dtype=torch.int64)
         entry.pending.append(_Reservation(slots, list(page_hashes)))
         self._entries.move_to_end(key)
         return slots
@@ -191,7 +192,7 @@ class HostTier(KVBackend):
         # NOTE: later reservations of this user would leave a hole in the prefix: they fail too.
         for later in entry.pending:
             later.doomed = True
-        self._free.extend(res.slots[good:].tolist())
+        self._free.free(res.slots[good:].tolist())
         if not entry.slots and not entry.pending and entry.pins == 0:
             del self._entries[key]
 
@@ -204,7 +205,7 @@ class HostTier(KVBackend):
 
     # ----------------------------------------------------------------- eviction
     def _truncate(self, entry: _HostEntry, num_pages: int) -> None:
-        self._free.extend(entry.slots[num_pages:])
+        self._free.free(entry.slots[num_pages:])
         del entry.slots[num_pages:]
         del entry.hashes[num_pages:]
         self._tick(entry)
@@ -214,7 +215,7 @@ class HostTier(KVBackend):
         self._counters["host_evicted_pages"] += len(entry.slots)
         if spill and entry.slots:
             self._on_drop(key, list(entry.slots), list(entry.hashes))
-        self._free.extend(entry.slots)
+        self._free.free(entry.slots)
         del self._entries[key]
 
     def evict(self, key: Key) -> None:
@@ -255,8 +256,9 @@ class HostTier(KVBackend):
                 assert s not in seen, f"host slot {s} owned twice"
                 seen.add(s)
             assert e.pins >= 0
-        free = set(self._free)
-        assert len(free) == len(self._free), "host free list has duplicates"
+        free_list = self._free.free_slots()
+        free = set(free_list)
+        assert len(free) == len(free_list) == self._free.num_free, "host free list has duplicates"
         assert not (free & seen), f"host slots both free and owned: {sorted(free & seen)[:8]}"
         assert len(free) + len(seen) == self._num_slots, (
             f"host slots leaked: {self._num_slots - len(free) - len(seen)}"

@@ -185,11 +185,31 @@ class _CudaHandle(CopyHandle):
         return True
 
 
-class CudaTransferEngine(TransferEngine):
-    """Copies between a CUDA table and a pinned host table on dedicated streams with per-layer events."""
+def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(first index, first slot, length)`` of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and s == runs[-1][1] + runs[-1][2] and i == runs[-1][0] + runs[-1][2]:
+            first, start, n = runs[-1]
+            runs[-1] = (first, start, n + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
 
-    def __init__(self, device: torch.device) -> None:
+
+class CudaTransferEngine(TransferEngine):
+    """Copies between a CUDA table and a pinned host table on dedicated streams, per-layer events.
+
+    Host slots are read and written in runs of consecutive slots, each run of a layer one
+    ``cudaMemcpyAsync`` straight from/to the pinned host table (the host tier allocates a user's
+    pages as one run when it can); the device side goes through a device staging buffer and one
+    gather/scatter kernel. When the host side is badly fragmented (more than ``max_runs`` runs) it
+    falls back to gathering on the host into pinned staging first.
+    """
+
+    def __init__(self, device: torch.device, max_runs: int = 64) -> None:
         self.device = device
+        self.max_runs = max_runs
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
 
@@ -204,37 +224,52 @@ class CudaTransferEngine(TransferEngine):
         raise ValueError(f"CudaTransferEngine copies host<->device, got {src.device} -> {dst.device}")
 
     def _onboard(self, src, src_pages, dst, dst_pages) -> CopyHandle:
-        num_layers = src.shape[0]
+        num_layers, n = src.shape[0], src_pages.numel()
         caller = torch.cuda.current_stream(self.device)
         stream = self.h2d_stream
+        runs = contiguous_runs(src_pages.tolist())
         events = []
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)
             idx = _pinned(dst_pages).to(self.device, non_blocking=True)
+            stage = torch.empty((n, *src.shape[2:]), dtype=src.dtype, device=self.device)
             for layer in range(num_layers):
-                staged = torch.empty((src_pages.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True)
-                torch.index_select(src[layer], 0, src_pages, out=staged)
-                dst[layer].index_copy_(0, idx, staged.to(self.device, non_blocking=True))
+                if len(runs) <= self.max_runs:
+                    for first, start, length in runs:
+                        stage[first : first + length].copy_(src[layer, start : start + length], non_blocking=True)
+                else:
+                    host = torch.empty(stage.shape, dtype=src.dtype, pin_memory=True)
+                    torch.index_select(src[layer], 0, src_pages, out=host)
+                    stage.copy_(host, non_blocking=True)
+                dst[layer].index_copy_(0, idx, stage)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events.append(ev)
-        return _CudaHandle(events, src_pages.numel(), None)
+        return _CudaHandle(events, n, None)
 
     def _offload(self, src, src_pages, dst, dst_pages) -> CopyHandle:
         caller = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
+        runs = contiguous_runs(dst_pages.tolist())
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)
             idx = _pinned(src_pages).to(self.device, non_blocking=True)
             gathered = src.index_select(1, idx)
-            staged = torch.empty(gathered.shape, dtype=src.dtype, pin_memory=True)
-            staged.copy_(gathered, non_blocking=True)
+            finalize = None
+            if len(runs) <= self.max_runs and dst.is_pinned():
+                for layer in range(src.shape[0]):
+                    for first, start, length in runs:
+                        dst[layer, start : start + length].copy_(gathered[layer, first : first + length],
+                                                                 non_blocking=True)
+            else:
+                staged = torch.empty(gathered.shape, dtype=src.dtype, pin_memory=True)
+                staged.copy_(gathered, non_blocking=True)
+
+                def finalize() -> None:
+                    dst.index_copy_(1, dst_pages, staged)
+
             ev = torch.cuda.Event()
             ev.record(stream)
-
-        def finalize() -> None:
-            dst.index_copy_(1, dst_pages, staged)
-
         return _CudaHandle([ev], src_pages.numel(), finalize)
 
 

@@ -51,14 +51,15 @@ class RankingEngine:
             lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
         dev = batch.to(self.device)
         history, candidates = batch_to_kjts(dev)
+        cand = host.candidate_lengths
+        sizes = (total + int(cand.sum()), int((host.history_lengths + cand).max()), int(cand.sum()))
         if self.cache is None:
-            return StepResult(self.model(history, candidates), computed_tokens=total)
+            return StepResult(self.model(history, candidates, *sizes), computed_tokens=total)
         plan = self.cache.begin(lookup)
         if plan is None:
             logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
-            return StepResult(self.model(history, candidates), computed_tokens=total, fell_back=True)
+            return StepResult(self.model(history, candidates, *sizes), computed_tokens=total, fell_back=True)
         try:
-            cand = host.candidate_lengths
             logits = self.model.forward_cached(history, candidates, self.cache, plan,
                                                num_candidates=int(cand.sum()), max_candidates=int(cand.max()))
         except BaseException:

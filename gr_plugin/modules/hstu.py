@@ -138,10 +138,13 @@ class HSTURanker(nn.Module):
     def _head(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         return self.head(self.output_norm(x[layout.candidate_rows]))
 
-    def forward(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> torch.Tensor:
-        """The full pass: every history event and candidate is embedded and attended."""
+    def forward(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor, num_query_tokens: int | None = None,
+                max_seq_len: int | None = None, num_candidates: int | None = None) -> torch.Tensor:
+        """The full pass: every history event and candidate is embedded and attended. The optional
+        host ints (total tokens, longest sequence, total candidates) avoid device syncs."""
         check_inputs(history, candidates)
-        layout = build_token_layout(history, candidates, None, self.config.max_positions)
+        layout = build_token_layout(history, candidates, None, self.config.max_positions, num_query_tokens,
+                                    max_seq_len, num_candidates)
         x = self._embed(layout)
         for layer in self.layers:
             x = layer(x, layout)
@@ -162,6 +165,7 @@ class HSTURanker(nn.Module):
             history, candidates, meta.cached_lengths, self.config.max_positions,
             None if num_candidates is None else meta.num_new_tokens + num_candidates,
             None if max_candidates is None else meta.max_new_len + max_candidates,
+            num_candidates,
         )
         x = self._embed(layout)
         for i, layer in enumerate(self.layers):

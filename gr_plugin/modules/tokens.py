@@ -84,12 +84,13 @@ def build_token_layout(
     max_positions: int,
     num_query_tokens: int | None = None,
     max_q_len: int | None = None,
+    num_candidates: int | None = None,
 ) -> TokenLayout:
     """Query layout for ``history`` (keys item/action/time) and ``candidates`` (key item).
 
     ``cached_lengths [B]`` events of each history are already cached (None: a full pass).
-    ``num_query_tokens`` and ``max_q_len`` (host ints; an upper bound for the latter) avoid device
-    syncs when the caller knows them.
+    ``num_query_tokens``, ``max_q_len`` (an upper bound is fine) and ``num_candidates`` (host ints)
+    avoid device syncs when the caller knows them.
     Positions are absolute (clamped to ``max_positions - 1``); a candidate sits at position
     ``L[b]``, with action and time 0.
     """
@@ -130,7 +131,17 @@ def build_token_layout(
         values=torch.cat([item, action, time, position]),
         lengths=q_len.repeat(len(EMBEDDING_KEYS)),
     )
-    rows = torch.arange(n, device=device)
+    if num_candidates is None:  # host sync (boolean masks); fine on the CPU and in training
+        rows = torch.arange(n, device=device)
+        candidate_rows, new_rows = rows[~is_hist], rows[is_hist]
+    else:
+        ar = torch.arange(bsz, device=device)
+        bn = torch.repeat_interleave(ar, new_len, output_size=n - num_candidates)
+        new_off = complete_cumsum(new_len)
+        new_rows = q_off[:-1][bn] + torch.arange(n - num_candidates, device=device) - new_off[:-1][bn]
+        bc = torch.repeat_interleave(ar, cand_len, output_size=num_candidates)
+        candidate_rows = (q_off[:-1][bc] + new_len[bc] + torch.arange(num_candidates, device=device)
+                          - c_off[:-1][bc])
     return TokenLayout(
         features=features,
         q_offsets=q_off,
@@ -139,8 +150,8 @@ def build_token_layout(
         history_lengths=hist_len,
         new_lengths=new_len,
         candidate_lengths=cand_len,
-        candidate_rows=rows[~is_hist],
-        new_rows=rows[is_hist],
+        candidate_rows=candidate_rows,
+        new_rows=new_rows,
     )
 
 

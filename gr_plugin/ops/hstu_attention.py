@@ -1,19 +1,50 @@
-"""Dispatch of the HSTU attention ops: the GPU kernel when one serves the inputs, else the
+"""Dispatch of the HSTU attention ops: the Triton kernel for CUDA tensors it supports, else the
 pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``, which also defines the semantics).
+
+``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
+the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
 from gr_plugin.ops.pytorch import hstu_attention as _ref
 
 
+@functools.cache
+def _triton_ops():
+    try:
+        from gr_plugin.ops.triton import hstu_attention as tri
+    except Exception:
+        return None
+    return tri
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    mode = os.environ.get("GR_PLUGIN_ATTENTION", "auto")
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"GR_PLUGIN_ATTENTION must be auto, reference or triton, got {mode!r}")
+    if mode == "reference":
+        return False
+    tri = _triton_ops()
+    if mode == "triton":
+        if tri is None:
+            raise ValueError("GR_PLUGIN_ATTENTION=triton but triton cannot be imported here")
+        return True
+    return (q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
                           max_seq_len: int) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]``; see the reference for the semantics."""
-    return _ref.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+    impl = _triton_ops() if _use_triton(q) else _ref
+    return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                       max_seq_len=max_seq_len)
 
 
@@ -22,6 +53,7 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V; see the reference for the semantics."""
-    return _ref.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
+    impl = _triton_ops() if _use_triton(q) else _ref
+    return impl.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
                                      new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=max_q_len,
                                      max_history_len=max_history_len, num_history_tokens=num_history_tokens)

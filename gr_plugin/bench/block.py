@@ -1,0 +1,322 @@
+"""HSTU block benchmarks on a GPU (``python -m recipes.bench suite=block``).
+
+Owns the measurements of the layer stack the published anchors use (8 layers, hidden 1024, 4 heads;
+head_dim 128 with page 128, head_dim 256 with page 32; 256 candidates per user), each row measured
+side by side in one run:
+- ``block``: cached step (new history events + candidates, history K/V read from pages) vs a full
+  recomputation of history + candidates, eager and as CUDA graphs, with achieved TFLOP/s against a
+  bf16 matrix product measured in the same run;
+- ``transfer``: onboard / offload of a user's pages (all layers) vs a raw pinned ``copy_`` of the
+  same bytes;
+- ``tiers``: one user, history in device pages (GPU hit) vs in the pinned host tier, onboarded all
+  at once or layer by layer (each layer waits only for its own pages), next to the transfer floor.
+Embedding lookup and the token layout are not part of "the block"; host overhead of lookup and
+allocate has its own suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from typing import Any
+
+import torch
+
+from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
+from gr_plugin.modules.hstu import HSTUConfig, HSTULayer
+from gr_plugin.ops import paged_hstu_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Layout:
+    q_offsets: torch.Tensor
+    candidate_lengths: torch.Tensor
+    max_q_len: int
+
+
+def _time_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _graph(fn):
+    """Capture ``fn`` (after a warm-up on a side stream) and return its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def matmul_peak_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = _time_ms(lambda: a @ b, 10)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _offsets(lengths: list[int], device: str = "cuda") -> torch.Tensor:
+    return torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int64, device=device)
+
+
+def _flops(cfg: HSTUConfig, tokens: int, attn_pairs: int) -> float:
+    d, hd = cfg.embedding_dim, cfg.num_heads * cfg.head_dim
+    linear = tokens * (d * 4 * hd + hd * d) * 2
+    attention = attn_pairs * cfg.num_heads * cfg.head_dim * 4
+    return cfg.num_layers * (linear + attention)
+
+
+class Block:
+    """An HSTU layer stack with a KV cache for it, on CUDA, bf16."""
+
+    def __init__(self, head_dim: int, page_size: int, num_layers: int = 8, hidden: int = 1024, heads: int = 4,
+                 num_pages: int = 4096, host_pages: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: str = "cuda") -> None:
+        torch.manual_seed(0)
+        self.device = device
+        self.cfg = HSTUConfig(embedding_dim=hidden, num_layers=num_layers, num_heads=heads, head_dim=head_dim,
+                              n_norm=4096.0)
+        self.layers = [HSTULayer(self.cfg, device=torch.device(device)).to(dtype).eval() for _ in range(num_layers)]
+        kv = KVCacheConfig(num_layers=num_layers, num_heads=heads, head_dim=head_dim, page_size=page_size,
+                           num_pages=num_pages, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                                       torch.float32: "float32"}[dtype],
+                           device=device, host_cache_bytes=0)
+        if host_pages:
+            kv.host_cache_bytes = host_pages * kv.page_bytes
+        self.cache = KVCacheManager(kv, HostTier() if host_pages else None)
+        self.dtype = dtype
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def fill(self, users: list[int], cached: int) -> None:
+        """Put ``cached`` random history tokens of each user into the cache (committed)."""
+        if cached == 0:
+            return
+        req = CacheRequest(users, [cached] * len(users), torch.cat([torch.arange(cached) + u * 10**7 for u in users]))
+        plan = self.cache.allocate(self.cache.lookup(req))
+        n = plan.metadata.num_new_tokens
+        c = self.cfg
+        for layer in range(c.num_layers):
+            k = torch.randn(n, c.num_heads, c.head_dim, device=self.device, dtype=self.dtype)
+            self.cache.append(layer, k, torch.randn_like(k), plan)
+        self.cache.commit(plan)
+
+    def plan(self, users: list[int], total: int):
+        req = CacheRequest(users, [total] * len(users), torch.cat([torch.arange(total) + u * 10**7 for u in users]))
+        return self.cache.allocate(self.cache.lookup(req))
+
+    # -- forward ---------------------------------------------------------------------------------
+    def full_fn(self, bs: int, hist: int, cands: int):
+        c = self.cfg
+        lens = [hist + cands] * bs
+        x = torch.randn(sum(lens), c.embedding_dim, device=self.device, dtype=self.dtype)
+        layout = _Layout(_offsets(lens, self.device), torch.full((bs,), cands, device=self.device), hist + cands)
+
+        def run():
+            y = x
+            for layer in self.layers:
+                y = layer(y, layout)
+            return y
+
+        pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
+        return run, _flops(c, sum(lens), pairs)
+
+    def cached_fn(self, plan, bs: int, new: int, cands: int, waits=None):
+        c = self.cfg
+        meta = plan.metadata
+        qlen = [new + cands] * bs
+        x = torch.randn(sum(qlen), c.embedding_dim, device=self.device, dtype=self.dtype)
+        q_off = _offsets(qlen, self.device)
+        rows = torch.cat([torch.arange(int(q_off[b]), int(q_off[b]) + new, device=self.device) for b in range(bs)])
+        table = self.cache.kv_table
+        slots = meta.new_token_slots  # derived once, on the device
+
+        def run():
+            y = x
+            for i, layer in enumerate(self.layers):
+                u, q, k, v = layer.project(y)
+                if waits is not None:
+                    waits(i)
+                self.cache.append_fn(table[i], k[rows], v[rows], slots)
+                a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
+                                         q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
+                                         max_q_len=new + cands, max_history_len=meta.max_total_len,
+                                         num_history_tokens=meta.num_total_tokens)
+                y = layer.finish(y, u, a)
+            return y
+
+        hist = meta.max_total_len
+        cached = hist - new
+        pairs = bs * (sum(cached + i + 1 for i in range(new)) + cands * (hist + 1))
+        return run, _flops(c, sum(qlen), pairs)
+
+
+def block(head_dims=(128, 256), batch_sizes=(1, 2, 4, 8), histories=((4096, 3968), (2048, 1920), (1024, 896),
+          (512, 384), (128, 0)), candidates: int = 256, repeats: int = 20, graphs: bool = True) -> list[dict[str, Any]]:
+    peak = matmul_peak_tflops()
+    rows = []
+    for hd in head_dims:
+        page = {128: 128, 256: 32}.get(hd, 64)
+        for hist, cached in histories:
+            for bs in batch_sizes:
+                blk = Block(hd, page, num_pages=bs * (-(-hist // page) + 2) + 8)
+                users = list(range(bs))
+                blk.fill(users, cached)
+                plan = blk.plan(users, hist)
+                with torch.no_grad():
+                    full, f_flops = blk.full_fn(bs, hist, candidates)
+                    cached_run, c_flops = blk.cached_fn(plan, bs, hist - cached, candidates)
+                    row = {"head_dim": hd, "page": page, "batch": bs, "history": hist, "cached": cached,
+                           "candidates": candidates}
+                    row["full_ms"] = _time_ms(full, repeats)
+                    row["cached_ms"] = _time_ms(cached_run, repeats)
+                    if graphs:
+                        row["full_graph_ms"] = _time_ms(_graph(full), repeats)
+                        row["cached_graph_ms"] = _time_ms(_graph(cached_run), repeats)
+                best_f = min(row["full_ms"], row.get("full_graph_ms", 1e9))
+                best_c = min(row["cached_ms"], row.get("cached_graph_ms", 1e9))
+                row["speedup"] = best_f / best_c
+                row["cached_tflops"] = c_flops / (best_c * 1e-3) / 1e12
+                row["full_tflops"] = f_flops / (best_f * 1e-3) / 1e12
+                row["matmul_peak_tflops"] = peak
+                blk.cache.abort(plan)
+                blk.cache.close()
+                rows.append(row)
+                logger.info("block %s", row)
+                del blk
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _transfer_one(tokens: int, head_dim: int, page: int, repeats: int) -> dict[str, Any]:
+    npg = tokens // page
+    blk = Block(head_dim, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    m = blk.cache
+    blk.fill([1], tokens)
+    m.offload_flush()
+    nbytes = npg * m.config.page_bytes
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    raw_h2d = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    raw_d2h = _time_ms(lambda: host.copy_(dev, non_blocking=True), repeats)
+    src = torch.tensor(m.backend.pages_of((m.namespace, 1)), dtype=torch.int64)
+    dst = torch.tensor(m.pages_of(1), dtype=torch.int64)
+
+    def onboard():
+        m.transfer.copy(m.backend.host_table, src, m.kv_table, dst).wait_layer(m.config.num_layers - 1)
+
+    def offload():
+        h = m.transfer.copy(m.kv_table, dst, m.backend.host_table, src)
+        torch.cuda.current_stream().wait_event(h._events[-1])
+
+    on, off = _time_ms(onboard, repeats), _time_ms(offload, repeats)
+    gb = nbytes / 1e9
+    m.close()
+    return {"tokens": tokens, "bytes_mb": round(nbytes / 2**20, 1), "onboard_gbs": gb / (on * 1e-3),
+            "raw_h2d_gbs": gb / (raw_h2d * 1e-3), "onboard_vs_raw": raw_h2d / on, "offload_gbs": gb / (off * 1e-3),
+            "raw_d2h_gbs": gb / (raw_d2h * 1e-3), "offload_vs_raw": raw_d2h / off}
+
+
+def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
+             repeats: int = 10) -> list[dict[str, Any]]:
+    """Onboard/offload of one user's pages (8 layers) vs a raw pinned copy of the same bytes."""
+    rows = []
+    for tokens in tokens_list:
+        rows.append(_transfer_one(tokens, head_dim, page, repeats))
+        logger.info("transfer %s", rows[-1])
+    return rows
+
+
+def _host_hit(blk: Block, tokens: int, cached: int, candidates: int, repeats: int, layerwise: bool) -> float:
+    m = blk.cache
+    page = m.config.page_size
+    times = []
+    for _ in range(repeats + 2):
+        m.evict([1])
+        plan = blk.plan([1], tokens)
+        assert plan.onboard_tokens == [cached // page * page], plan.onboard_tokens
+        waits = (lambda i, plan=plan: m.wait_layer(plan, i)) if layerwise else None
+        run, _ = blk.cached_fn(plan, 1, tokens - plan.cached_lengths[0], candidates, waits=waits)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        handle = m.onboard_launch(plan)
+        if not layerwise:
+            handle.wait_layer(m.config.num_layers - 1)  # everything before the first layer
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+        m.abort(plan)
+        m.offload_flush()
+    return statistics.median(times[2:])
+
+
+def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int, repeats: int) -> dict[str, Any]:
+    cached = tokens - new
+    npg = -(-tokens // page)
+    blk = Block(head_dim, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    m = blk.cache
+    blk.fill([1], cached)
+    m.offload_flush()
+    nbytes = (cached // page) * m.config.page_bytes
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    floor = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    with torch.no_grad():
+        plan = blk.plan([1], tokens)
+        gpu_run, _ = blk.cached_fn(plan, 1, tokens - plan.cached_lengths[0], candidates)
+        gpu_hit = _time_ms(gpu_run, repeats)
+        m.abort(plan)
+        row = {"tokens": tokens, "cached": cached, "gpu_hit_ms": gpu_hit,
+               "host_hit_ms": _host_hit(blk, tokens, cached, candidates, repeats, False),
+               "host_hit_layerwise_ms": _host_hit(blk, tokens, cached, candidates, repeats, True),
+               "transfer_floor_ms": floor}
+    row["layerwise_vs_bound"] = row["host_hit_layerwise_ms"] / max(gpu_hit, floor)
+    m.close()
+    return row
+
+
+def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int = 128, new: int = 128,
+          candidates: int = 256, repeats: int = 10) -> list[dict[str, Any]]:
+    """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor."""
+    rows = []
+    for tokens in tokens_list:
+        rows.append(_tiers_one(tokens, head_dim, page, new, candidates, repeats))
+        logger.info("tiers %s", rows[-1])
+    return rows
+
+
+def run(parts=("block", "transfer", "tiers"), block_kwargs=None, transfer_kwargs=None,
+        tiers_kwargs=None) -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        raise ValueError("suite=block needs a CUDA device")
+    rows: list[dict[str, Any]] = []
+    for name, fn, kw in (("block", block, block_kwargs), ("transfer", transfer, transfer_kwargs),
+                         ("tiers", tiers, tiers_kwargs)):
+        if name in parts:
+            rows += [{"part": name, **r} for r in fn(**(kw or {}))]
+    return rows
+
+
+COLUMNS = ["part", "head_dim", "page", "batch", "history", "cached", "full_ms", "full_graph_ms", "cached_ms",
+           "cached_graph_ms", "speedup", "cached_tflops", "full_tflops", "matmul_peak_tflops", "tokens",
+           "onboard_gbs", "raw_h2d_gbs", "onboard_vs_raw", "offload_gbs", "raw_d2h_gbs", "offload_vs_raw",
+           "gpu_hit_ms", "host_hit_ms", "host_hit_layerwise_ms", "transfer_floor_ms", "layerwise_vs_bound"]

@@ -1,0 +1,1 @@
+"""Triton kernels (GPU; also run by the CPU tests under ``TRITON_INTERPRET=1``)."""

@@ -1,0 +1,144 @@
+"""Triton HSTU attention: one kernel for the full (jagged) and the cached (paged) forms.
+
+Owns the GPU kernel behind `gr_plugin.ops.hstu_attention`; the semantics are the pure-torch
+reference's (`gr_plugin.ops.pytorch.hstu_attention`). Per program: one user, one head, BLOCK_M query
+rows of that user's query segment. History keys are read block by block, from the jagged ``k``/``v``
+(full pass: the segment starts with the whole history) or through the page table (cached step:
+``kv_indices``/``kv_indptr``, any page size, keys gathered per row), ``SiLU(alpha q.k) / n_norm`` is
+masked (history causal, candidates see all history) and accumulated in fp32; a candidate adds its
+own key/value (the diagonal). Key blocks past the last position any query in the block may see are
+skipped. Works under ``TRITON_INTERPRET=1`` on CPU tensors (fp32/fp16), which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _hstu_fwd(
+    Q, K, V, Out, KV, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_pp, stride_pkv, stride_pt, stride_ph,
+    alpha, inv_norm,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(q_offsets + b).to(tl.int64)
+    q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    hist = tl.load(hist_lens + b).to(tl.int32)
+    new = tl.load(new_lens + b).to(tl.int32)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    is_hist = rows < new
+    # last key position each query may see: its own position (history) or the last history token
+    qpos = tl.where(is_hist, hist - new + rows, hist - 1)
+    kv_end = tl.minimum(hist, tl.max(tl.where(row_ok, qpos, -1), axis=0) + 1)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if PAGED:
+        page_base = tl.load(kv_indptr + b).to(tl.int64)
+    for n0 in range(0, kv_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_end
+        if PAGED:
+            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+            base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
+            k = tl.load(KV + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(KV + stride_pkv + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
+        else:
+            k_rows = (q_start + cols).to(tl.int64)
+            k = tl.load(K + k_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(V + k_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
+        else:
+            s = tl.dot(q, tl.trans(k)) * alpha
+        p = s * tl.sigmoid(s) * inv_norm
+        allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
+        p = tl.where(allowed, p, 0.0)
+        if IEEE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+    # a candidate also sees itself
+    cand = row_ok & (rows >= new)
+    k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
+    v_self = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
+    s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha
+    w_self = tl.where(cand, s_self * tl.sigmoid(s_self) * inv_norm, 0.0)
+    acc += w_self[:, None] * v_self.to(tl.float32)
+    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :], acc.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size."""
+    if head_dim >= 256:
+        return 64, 32, 8, 2
+    if head_dim >= 128:
+        return 64, 64, 4, 3
+    return 64, 64, 4, 3
+
+
+def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged):
+    nq, heads, dim = q.shape
+    if dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    out = torch.empty_like(q)
+    bsz = q_offsets.numel() - 1
+    if nq == 0 or bsz == 0:
+        return out
+    block_m, block_n, warps, stages = _blocks(dim, q.dtype)
+    if paged:
+        page_size = kv.shape[2]
+        sp = kv.stride()
+        kv_arg, idx, ptr = kv, kv_indices, kv_indptr
+        if sp[-1] != 1:
+            raise ValueError(f"kv_layer must have a contiguous last dimension, got strides {sp}")
+        strides = (sp[0], sp[1], sp[2], sp[3])
+    else:
+        page_size, kv_arg, idx, ptr, strides = 1, k, q_offsets, q_offsets, (0, 0, 0, 0)
+    grid = (triton.cdiv(max(max_q_len, 1), block_m), bsz, heads)
+    _hstu_fwd[grid](
+        q, k, v, out, kv_arg, idx, ptr, q_offsets, hist_lens, new_lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *strides, float(alpha), 1.0 / float(n_norm),
+        PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                          num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
+                          max_seq_len: int) -> torch.Tensor:
+    """Full-sequence HSTU attention ``[T, H, D]`` (history then candidates per sequence)."""
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    hist = lengths - num_candidates
+    return _launch(q, k, v, None, None, None, seq_offsets, hist, hist, alpha, n_norm, max_seq_len, paged=False)
+
+
+def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                         kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
+                         q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
+                         max_q_len: int, max_history_len: int, num_history_tokens: int) -> torch.Tensor:
+    """Cached-step HSTU attention over paged history K/V ``[num_pages, 2, P, H, D]``."""
+    return _launch(q, k, v, kv_layer, kv_indices, kv_indptr, q_offsets, history_lengths, new_lengths, alpha, n_norm,
+                   max_q_len, paged=True)

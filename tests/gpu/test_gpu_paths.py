@@ -1,0 +1,96 @@
+"""GPU paths (marker ``gpu``): CUDA transfers, layerwise onboarding, no syncs on the request path,
+and the cached model against full recomputation in bf16 (the 2x rule) and fp32."""
+
+import pytest
+import torch
+
+from gr_plugin.bench.common import count_device_syncs
+from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager, paged_ops
+
+pytestmark = pytest.mark.gpu
+
+
+def _kv(user: int, n: int, layer: int, heads: int, dim: int):
+    g = torch.Generator().manual_seed(user * 100 + layer)
+    k = torch.randn(n, heads, dim, generator=g).to(torch.bfloat16).cuda()
+    return k, -k
+
+
+def test_cuda_round_trip_device_host_device_layerwise_and_no_syncs():
+    cfg = KVCacheConfig(num_layers=3, num_heads=2, head_dim=64, page_size=16, num_pages=64, dtype="bfloat16",
+                        device="cuda", host_cache_bytes=64 * KVCacheConfig(num_layers=3, num_heads=2, head_dim=64,
+                                                                            page_size=16, dtype="bfloat16").page_bytes)
+    m = KVCacheManager(cfg, HostTier())
+    assert m.backend.host_table.is_pinned()
+    rows = torch.arange(100)
+    req = CacheRequest([5], [100], rows)
+    with count_device_syncs() as syncs:
+        plan = m.allocate(m.lookup(req))
+    assert syncs[0] == 0
+    for layer in range(3):
+        k, v = _kv(5, 100, layer, 2, 64)
+        m.append(layer, k, v, plan)
+    m.commit(plan)
+    m.offload_flush()
+    assert m.stats()["host_pages_written"] == 6
+    m.evict([5])
+    req = CacheRequest([5], [110], torch.arange(110))
+    with count_device_syncs() as syncs:
+        plan = m.allocate(m.lookup(req))
+    assert syncs[0] == 0 and plan.onboard_tokens == [96]
+    handle = m.onboard_launch(plan)
+    meta = plan.metadata
+    slots = paged_ops.sequence_slots(meta.kv_indices, meta.kv_indptr, meta.total_lengths, meta.total_offsets, 16,
+                                     meta.num_total_tokens)
+    for layer in range(3):
+        handle.wait_layer(layer)  # the stream waits for this layer's pages only
+        got_k, got_v = paged_ops.gather_kv(m.kv_table[layer], slots[:96])
+        k, v = _kv(5, 100, layer, 2, 64)
+        assert torch.equal(got_k, k[:96]) and torch.equal(got_v, v[:96])
+    m.abort(plan)
+    m.offload_flush()
+    m.check()
+
+
+def _model_pair(dtype):
+    from gr_plugin.cache import KVCacheConfig
+    from gr_plugin.modules import KVCacheModule
+    from tests.modules.helpers import User, make_inputs, tiny_model
+
+    model = tiny_model(0)
+    ref = tiny_model(0)
+    model = model.cuda().to(dtype)
+    c = model.config
+    cfg = KVCacheConfig(num_layers=c.num_layers, num_heads=c.num_heads, head_dim=c.head_dim, page_size=16,
+                        num_pages=256, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+                        device="cuda", host_cache_bytes=0)
+    return model, ref, KVCacheModule(cfg, "gpu"), User, make_inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_model_on_gpu_matches_full_recompute(dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, ref, cache, User, make_inputs = _model_pair(dtype)
+    g = torch.Generator().manual_seed(4)
+    users = [User(u, g) for u in range(3)]
+    worst_cached, worst_full = 0.0, 0.0
+    for visit in range(3):
+        for u in users:
+            u.grow(20 + 7 * u.uid)
+        cands = [u.candidates(9) for u in users]
+        history, candidates, lengths, keys = make_inputs(users, cands)
+        with torch.no_grad():
+            exact = ref(history, candidates)  # fp32 on the CPU: the oracle
+            plan = cache.begin([u.uid for u in users], lengths, keys)
+            h, c = history.to("cuda"), candidates.to("cuda")
+            cached = model.forward_cached(h, c, cache, plan, num_candidates=27, max_candidates=9).float().cpu()
+            cache.commit(plan)
+            full = model(h, c).float().cpu()
+        worst_cached = max(worst_cached, (cached - exact).abs().max().item())
+        worst_full = max(worst_full, (full - exact).abs().max().item())
+        if visit:
+            assert sum(plan.cached_lengths) > 0
+    if dtype == torch.float32:
+        assert worst_cached <= 1e-4 and worst_full <= 1e-4, (worst_cached, worst_full)
+    else:  # bf16: the cached step is no worse than 2x the full pass in the same precision
+        assert worst_cached <= 2 * worst_full + 1e-3, (worst_cached, worst_full)
