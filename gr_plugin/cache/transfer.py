@@ -197,6 +197,18 @@ def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(first src, first dst, length)`` of each run where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 class CudaTransferEngine(TransferEngine):
     """Copies between a CUDA table and a pinned host table on dedicated streams, per-layer events.
 
@@ -227,8 +239,20 @@ class CudaTransferEngine(TransferEngine):
         num_layers, n = src.shape[0], src_pages.numel()
         caller = torch.cuda.current_stream(self.device)
         stream = self.h2d_stream
-        runs = contiguous_runs(src_pages.tolist())
+        both = joint_runs(src_pages.tolist(), dst_pages.tolist())
         events = []
+        if len(both) <= self.max_runs:
+            # NOTE: host slots and device pages both consecutive: copy straight into the pages.
+            with torch.cuda.stream(stream):
+                stream.wait_stream(caller)
+                for layer in range(num_layers):
+                    for s0, d0, length in both:
+                        dst[layer, d0 : d0 + length].copy_(src[layer, s0 : s0 + length], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
+            return _CudaHandle(events, n, None)
+        runs = contiguous_runs(src_pages.tolist())
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)
             idx = _pinned(dst_pages).to(self.device, non_blocking=True)
@@ -250,6 +274,16 @@ class CudaTransferEngine(TransferEngine):
     def _offload(self, src, src_pages, dst, dst_pages) -> CopyHandle:
         caller = torch.cuda.current_stream(self.device)
         stream = self.d2h_stream
+        both = joint_runs(src_pages.tolist(), dst_pages.tolist())
+        if len(both) <= self.max_runs and dst.is_pinned():
+            with torch.cuda.stream(stream):
+                stream.wait_stream(caller)
+                for layer in range(src.shape[0]):
+                    for s0, d0, length in both:
+                        dst[layer, d0 : d0 + length].copy_(src[layer, s0 : s0 + length], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            return _CudaHandle([ev], src_pages.numel(), None)
         runs = contiguous_runs(dst_pages.tolist())
         with torch.cuda.stream(stream):
             stream.wait_stream(caller)

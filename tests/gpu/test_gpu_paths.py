@@ -22,6 +22,8 @@ def test_cuda_round_trip_device_host_device_layerwise_and_no_syncs():
                                                                             page_size=16, dtype="bfloat16").page_bytes)
     m = KVCacheManager(cfg, HostTier())
     assert m.backend.host_table.is_pinned()
+    warm = CacheRequest([9], [10], torch.arange(10))
+    m.abort(m.allocate(m.lookup(warm)))  # the process's first pinned allocation may initialise CUDA state
     rows = torch.arange(100)
     req = CacheRequest([5], [100], rows)
     with count_device_syncs() as syncs:

@@ -24,9 +24,10 @@ def _hstu_fwd(
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
     b = tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(q_offsets + b).to(tl.int64)
@@ -45,15 +46,24 @@ def _hstu_fwd(
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
     kv_end = tl.minimum(hist, tl.max(tl.where(row_ok, qpos, -1), axis=0) + 1)
+    # NOTE: HSTU attention has no softmax, so key ranges split over programs simply add up.
+    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), SPLITS) * BLOCK_N
+    kv_lo = split * per_split
+    kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if PAGED:
         page_base = tl.load(kv_indptr + b).to(tl.int64)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_end
+        col_ok = cols < kv_hi
         if PAGED:
-            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
-            base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
+            if PAGE_SIZE % BLOCK_N == 0:  # the whole block lies in one page: one index, contiguous rows
+                page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64)
+                base = page * stride_pp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_pt \
+                    + h * stride_ph
+            else:
+                page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+                base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
             k = tl.load(KV + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(KV + stride_pkv + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
         else:
@@ -71,15 +81,18 @@ def _hstu_fwd(
             acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc += tl.dot(p.to(v.dtype), v)
-    # a candidate also sees itself
-    cand = row_ok & (rows >= new)
+    # a candidate also sees itself (added once, by the first split)
+    cand = row_ok & (rows >= new) & (split == 0)
     k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
     v_self = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
     s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha
     w_self = tl.where(cand, s_self * tl.sigmoid(s_self) * inv_norm, 0.0)
     acc += w_self[:, None] * v_self.to(tl.float32)
-    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :], acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None])
+    out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=row_ok[:, None])
 
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -94,18 +107,38 @@ def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
-def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged):
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
+            max_kv_len=None, num_splits=None, blocks=None):
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-    out = torch.empty_like(q)
     bsz = q_offsets.numel() - 1
+    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype)
+    m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
+    if num_splits is None:
+        # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while
+        # each program walks the whole history: split the keys so about two waves run.
+        programs = m_blocks * bsz * heads
+        kv_blocks = triton.cdiv(max(max_kv_len if max_kv_len is not None else max_q_len, 1), block_n)
+        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), kv_blocks // 4, 32))
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
     if nq == 0 or bsz == 0:
-        return out
-    block_m, block_n, warps, stages = _blocks(dim, q.dtype)
+        return out.to(q.dtype)
     if paged:
         page_size = kv.shape[2]
         sp = kv.stride()
@@ -115,30 +148,32 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         strides = (sp[0], sp[1], sp[2], sp[3])
     else:
         page_size, kv_arg, idx, ptr, strides = 1, k, q_offsets, q_offsets, (0, 0, 0, 0)
-    grid = (triton.cdiv(max(max_q_len, 1), block_m), bsz, heads)
+    grid = (m_blocks * num_splits, bsz, heads)
     _hstu_fwd[grid](
         q, k, v, out, kv_arg, idx, ptr, q_offsets, hist_lens, new_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, SPLITS=num_splits, num_warps=warps, num_stages=stages,
     )
-    return out
+    return out if num_splits == 1 else out.to(q.dtype)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
-                          max_seq_len: int) -> torch.Tensor:
+                          max_seq_len: int, num_splits: int | None = None) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]`` (history then candidates per sequence)."""
     lengths = seq_offsets[1:] - seq_offsets[:-1]
     hist = lengths - num_candidates
-    return _launch(q, k, v, None, None, None, seq_offsets, hist, hist, alpha, n_norm, max_seq_len, paged=False)
+    return _launch(q, k, v, None, None, None, seq_offsets, hist, hist, alpha, n_norm, max_seq_len, paged=False,
+                   max_kv_len=max_seq_len, num_splits=num_splits)
 
 
 def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
-                         max_q_len: int, max_history_len: int, num_history_tokens: int) -> torch.Tensor:
+                         max_q_len: int, max_history_len: int, num_history_tokens: int,
+                         num_splits: int | None = None) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``[num_pages, 2, P, H, D]``."""
     return _launch(q, k, v, kv_layer, kv_indices, kv_indptr, q_offsets, history_lengths, new_lengths, alpha, n_norm,
-                   max_q_len, paged=True)
+                   max_q_len, paged=True, max_kv_len=max_history_len, num_splits=num_splits)

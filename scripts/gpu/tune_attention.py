@@ -1,0 +1,58 @@
+"""Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
+
+python3 scripts/gpu/tune_attention.py  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps, stages, splits)
+"""
+
+import itertools
+import statistics
+
+import torch
+import triton
+
+from gr_plugin.ops.triton import hstu_attention as tri
+
+
+def case(bs, hist, new, cands, heads, dim, page):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    npg = bs * (-(-hist // page)) + 4
+    kv = torch.randn(npg, 2, page, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = torch.randperm(npg, device="cuda")[: bs * (-(-hist // page))].to(torch.int64)
+    indptr = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * (-(-hist // page))
+    nq = bs * (new + cands)
+    q, k, v = (torch.randn(nq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q_off = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * (new + cands)
+    hl = torch.full((bs,), hist, device="cuda", dtype=torch.int64)
+    nl = torch.full((bs,), new, device="cuda", dtype=torch.int64)
+    return (q, k, v, kv, idx, indptr, q_off, hl, nl), new + cands, hist
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+rows = []
+for name, (bs, hist, new, cands, heads, dim, page) in {
+    "bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
+    "bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
+    "bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
+    "bs1 h16384 d128 p128": (1, 16384, 128, 256, 4, 128, 128),
+}.items():
+    args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
+    flops = bs * heads * (new + cands) * hist * dim * 4
+    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    results = []
+    for bm, bn, w, st in configs:
+        if dim == 256 and (bn == 128 or bm == 128 and bn >= 64):
+            continue
+        for splits in (None, 1):
+            try:
+                ms = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
+                                               num_splits=splits, blocks=(bm, bn, w, st)))
+            except Exception as exc:  # noqa: BLE001 - out of resources etc.
+                ms = float("nan")
+            results.append((ms, bm, bn, w, st, splits))
+    results.sort(key=lambda r: (r[0] != r[0], r[0]))
+    default = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv))
+    print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s); best:")
+    for ms, bm, bn, w, st, sp in results[:4]:
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
