@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import block, common, host_overhead, soak, tiers
+from gr_plugin.bench import block, common, e2e, host_overhead, soak, tiers
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ SUITES = {
     "soak": (soak.run, soak.COLUMNS, "Soak: Zipf request stream through small tiers"),
     "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
     "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),
+    "e2e": (e2e.run, e2e.COLUMNS, "End to end: request streams with and without the cache"),
 }
 
 

@@ -18,6 +18,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh, stride_vt, stride_vh,
+             stride_pp, stride_pkv, stride_pt, stride_ph,
+             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """K and V ``[BLOCK_N, HEAD_DIM]`` of history positions ``n0..n0+BLOCK_N`` (zeros past ``kv_hi``)."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < kv_hi
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:  # the whole block lies in one page: one index, contiguous rows
+            page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64)
+            base = page * stride_pp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_pt \
+                + h * stride_ph
+        elif MASKED:
+            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+            base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
+        else:
+            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE).to(tl.int64)
+            base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
+        k_ptrs = KV + base[:, None] + d[None, :]
+        v_ptrs = KV + stride_pkv + base[:, None] + d[None, :]
+    else:
+        rows = (q_start + cols).to(tl.int64)
+        k_ptrs = K + rows[:, None] * stride_kt + h * stride_kh + d[None, :]
+        v_ptrs = V + rows[:, None] * stride_vt + h * stride_vh + d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
 def _hstu_fwd(
     Q, K, V, Out, KV, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -51,25 +84,29 @@ def _hstu_fwd(
     kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PAGED:
-        page_base = tl.load(kv_indptr + b).to(tl.int64)
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+    page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
+    # NOTE: key blocks that every query of this block may see need no mask: run them first.
+    q_min = tl.min(tl.where(row_ok, qpos, hist), axis=0)
+    full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ((q_min + 1) // BLOCK_N) * BLOCK_N))
+    for n0 in range(kv_lo, full_hi, BLOCK_N):
+        k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                        PAGE_SIZE, PAGED, BLOCK_N, False)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
+        else:
+            s = tl.dot(q, tl.trans(k)) * alpha
+        p = s * tl.sigmoid(s) * inv_norm
+        if IEEE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+    for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
-        if PAGED:
-            if PAGE_SIZE % BLOCK_N == 0:  # the whole block lies in one page: one index, contiguous rows
-                page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64)
-                base = page * stride_pp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_pt \
-                    + h * stride_ph
-            else:
-                page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
-                base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
-            k = tl.load(KV + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(KV + stride_pkv + base[:, None] + d[None, :], mask=col_ok[:, None], other=0.0)
-        else:
-            k_rows = (q_start + cols).to(tl.int64)
-            k = tl.load(K + k_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(V + k_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0)
+        k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                        PAGE_SIZE, PAGED, BLOCK_N, True)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
         else:
@@ -101,7 +138,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size."""
     if head_dim >= 256:
-        return 64, 32, 8, 2
+        return 64, 32, 4, 2
     if head_dim >= 128:
         return 64, 64, 4, 3
     return 64, 64, 4, 3
