@@ -541,7 +541,7 @@ class KVCacheManager:
             try:
                 if not job.handle.done():
                     break
-                job.handle.wait()  # surfaces a copy error
+                job.handle.check()  # a failed copy raises; never blocks (no device sync)
                 ok = True
             except Exception:
                 logger.warning("%s copy failed; its pages are not published", job.kind, exc_info=True)

@@ -45,6 +45,10 @@ class CopyHandle(ABC):
     @abstractmethod
     def done(self) -> bool: ...
 
+    def check(self) -> None:
+        """Raise `TransferError` if the (finished) copy failed; never blocks."""
+        return None
+
 
 class DoneHandle(CopyHandle):
     """A copy of nothing: every wait returns at once."""
@@ -104,6 +108,9 @@ class _ThreadHandle(CopyHandle):
 
     def done(self) -> bool:
         return not self.num_layers or self._events[-1].is_set()
+
+    def check(self) -> None:
+        self._raise()
 
 
 class ThreadTransferEngine(TransferEngine):
