@@ -9,7 +9,8 @@ side by side in one run:
 - ``transfer``: onboard / offload of a user's pages (all layers) vs a raw pinned ``copy_`` of the
   same bytes;
 - ``tiers``: one user, history in device pages (GPU hit) vs in the pinned host tier, onboarded all
-  at once or layer by layer (each layer waits only for its own pages), next to the transfer floor.
+  at once or layer by layer (each layer waits only for its own pages), next to the transfer floor;
+  the block runs as one CUDA graph per layer, so layerwise waits sit between the replays.
 Embedding lookup and the token layout are not part of "the block"; host overhead of lookup and
 allocate has its own suite.
 """
@@ -168,6 +169,56 @@ class Block:
         return run, _flops(c, sum(qlen), pairs)
 
 
+class StaticStep:
+    """The cached block over static buffers, captured as one CUDA graph per layer.
+
+    ``load(plan)`` copies a plan's metadata into the static buffers (device-to-device); replaying
+    layer ``i`` after ``wait(i)`` lets a layerwise onboard's wait sit between the graphs.
+    """
+
+    def __init__(self, blk: Block, plan, bs: int, new: int, cands: int) -> None:
+        self.blk = blk
+        meta = plan.metadata
+        self.fields = ("kv_indices", "kv_indptr", "total_lengths", "new_lengths")
+        self.static = {f: getattr(meta, f).clone() for f in self.fields}
+        self.slots = meta.new_token_slots.clone()
+        c = blk.cfg
+        qlen = [new + cands] * bs
+        self.x = torch.randn(sum(qlen), c.embedding_dim, device=blk.device, dtype=blk.dtype)
+        self.q_off = _offsets(qlen, blk.device)
+        self.rows = torch.cat([torch.arange(int(self.q_off[b]), int(self.q_off[b]) + new, device=blk.device)
+                               for b in range(bs)])
+        self.max_q, self.max_hist, self.num_hist = new + cands, meta.max_total_len, meta.num_total_tokens
+        self.ys = [self.x]
+        self.graphs = []
+        with torch.no_grad():
+            for i in range(len(blk.layers)):
+                self.ys.append(torch.empty_like(self.x))
+                self.graphs.append(_graph(lambda i=i: self._layer(i)))
+
+    def _layer(self, i: int) -> None:
+        layer, table = self.blk.layers[i], self.blk.cache.kv_table
+        u, q, k, v = layer.project(self.ys[i])
+        self.blk.cache.append_fn(table[i], k[self.rows], v[self.rows], self.slots)
+        st = self.static
+        a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
+                                 st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
+                                 max_history_len=self.max_hist, num_history_tokens=self.num_hist)
+        self.ys[i + 1].copy_(layer.finish(self.ys[i], u, a))
+
+    def load(self, plan) -> None:
+        meta = plan.metadata
+        for f in self.fields:
+            self.static[f].copy_(getattr(meta, f), non_blocking=True)
+        self.slots.copy_(meta.new_token_slots, non_blocking=True)
+
+    def run(self, wait=None) -> None:
+        for i, replay in enumerate(self.graphs):
+            if wait is not None:
+                wait(i)
+            replay()
+
+
 def block(head_dims=(128, 256), batch_sizes=(1, 2, 4, 8), histories=((4096, 3968), (2048, 1920), (1024, 896),
           (512, 384), (128, 0)), candidates: int = 256, repeats: int = 20, graphs: bool = True) -> list[dict[str, Any]]:
     peak = matmul_peak_tflops()
@@ -244,7 +295,7 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
     return rows
 
 
-def _host_hit(blk: Block, tokens: int, cached: int, candidates: int, repeats: int, layerwise: bool) -> float:
+def _host_hit(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, layerwise: bool) -> float:
     m = blk.cache
     page = m.config.page_size
     times = []
@@ -252,15 +303,16 @@ def _host_hit(blk: Block, tokens: int, cached: int, candidates: int, repeats: in
         m.evict([1])
         plan = blk.plan([1], tokens)
         assert plan.onboard_tokens == [cached // page * page], plan.onboard_tokens
-        waits = (lambda i, plan=plan: m.wait_layer(plan, i)) if layerwise else None
-        run, _ = blk.cached_fn(plan, 1, tokens - plan.cached_lengths[0], candidates, waits=waits)
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         handle = m.onboard_launch(plan)
-        if not layerwise:
-            handle.wait_layer(m.config.num_layers - 1)  # everything before the first layer
-        run()
+        step.load(plan)
+        if layerwise:
+            step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
+        else:
+            handle.wait_layer(m.config.num_layers - 1)  # every layer's pages before the first layer
+            step.run()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
@@ -282,12 +334,13 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
     floor = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
     with torch.no_grad():
         plan = blk.plan([1], tokens)
-        gpu_run, _ = blk.cached_fn(plan, 1, tokens - plan.cached_lengths[0], candidates)
-        gpu_hit = _time_ms(gpu_run, repeats)
+        step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)
+        step.load(plan)
+        gpu_hit = _time_ms(step.run, repeats)
         m.abort(plan)
         row = {"tokens": tokens, "cached": cached, "gpu_hit_ms": gpu_hit,
-               "host_hit_ms": _host_hit(blk, tokens, cached, candidates, repeats, False),
-               "host_hit_layerwise_ms": _host_hit(blk, tokens, cached, candidates, repeats, True),
+               "host_hit_ms": _host_hit(blk, step, tokens, cached, repeats, False),
+               "host_hit_layerwise_ms": _host_hit(blk, step, tokens, cached, repeats, True),
                "transfer_floor_ms": floor}
     row["layerwise_vs_bound"] = row["host_hit_layerwise_ms"] / max(gpu_hit, floor)
     m.close()

@@ -62,7 +62,7 @@ def count_device_syncs() -> Iterator[list[int]]:
 
     Yields a one-element list that holds the count afterwards; stays 0 where there is no CUDA.
     """
-    box = [0]
+    box: list = [0]
     if not torch.cuda.is_available():
         yield box
         return
@@ -74,7 +74,9 @@ def count_device_syncs() -> Iterator[list[int]]:
             yield box
         finally:
             torch.cuda.set_sync_debug_mode(prev)
-    box[0] = sum("synchroniz" in str(w.message) for w in caught)
+    hits = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    box[0] = len(hits)
+    box.append(hits)
 
 
 def write_results(name: str, rows: list[dict[str, Any]], columns: list[str], out_dir: Path,

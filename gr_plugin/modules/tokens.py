@@ -94,13 +94,13 @@ def build_token_layout(
     Positions are absolute (clamped to ``max_positions - 1``); a candidate sits at position
     ``L[b]``, with action and time 0.
     """
-    hist = history.to_dict()
-    items = hist["item"]
-    hist_len = items.lengths().to(torch.int64)
-    cand = candidates["item"]
-    cand_len = cand.lengths().to(torch.int64)
+    # NOTE: KJT-level values()/lengths() (no to_dict, no length_per_key): no device sync, and the
+    # same on every torchrec version. The history keys share one length per user.
+    bsz = history.stride()
+    hist_len = history.lengths()[:bsz].to(torch.int64)
+    hist_vals = history.values().view(len(HISTORY_KEYS), -1)
+    cand_len = candidates.lengths().to(torch.int64)
     device = hist_len.device
-    bsz = hist_len.numel()
     cached = torch.zeros_like(hist_len) if cached_lengths is None else cached_lengths.to(torch.int64)
     new_len = hist_len - cached
     q_len = new_len + cand_len
@@ -120,11 +120,11 @@ def build_token_layout(
         return values.to(torch.int64)[hist_src] if values.numel() else torch.zeros(n, dtype=torch.int64,
                                                                                     device=device)
 
-    cand_items = cand.values().to(torch.int64)
-    item = torch.where(is_hist, pick(items.values()), cand_items[cand_src] if cand_items.numel() else 0)
+    cand_items = candidates.values().to(torch.int64)
+    item = torch.where(is_hist, pick(hist_vals[0]), cand_items[cand_src] if cand_items.numel() else 0)
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    action = torch.where(is_hist, pick(hist["action"].values()), zero)
-    time = torch.where(is_hist, pick(hist["time"].values()), zero)
+    action = torch.where(is_hist, pick(hist_vals[1]), zero)
+    time = torch.where(is_hist, pick(hist_vals[2]), zero)
     position = torch.where(is_hist, cached[batch] + local, hist_len[batch]).clamp(max=max_positions - 1)
     features = KeyedJaggedTensor(
         keys=list(EMBEDDING_KEYS),

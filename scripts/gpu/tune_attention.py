@@ -38,7 +38,7 @@ for name, (bs, hist, new, cands, heads, dim, page) in {
 }.items():
     args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
     flops = bs * heads * (new + cands) * hist * dim * 4
-    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
     results = []
     for bm, bn, w, st in configs:
         if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
