@@ -133,7 +133,8 @@ class HSTURanker(nn.Module):
         x = out[EMBEDDING_KEYS[0]].values()
         for key in EMBEDDING_KEYS[1:]:
             x = x + out[key].values()
-        return x
+        # NOTE: torchrec may keep its tables (and outputs) in fp32 when the layers run in bf16.
+        return x.to(self.output_norm.weight.dtype)
 
     def _head(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         return self.head(self.output_norm(x[layout.candidate_rows]))
