@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 def run(batch_sizes=(1, 2, 4, 8), num_users: int = 64, min_len: int = 256, max_len: int = 4096, stride: int = 128,
         num_candidates: int = 256, hidden: int = 1024, layers: int = 8, heads: int = 4, head_dim: int = 128,
-        page_size: int = 128, warmup_batches: int = 2) -> list[dict[str, Any]]:
+        page_size: int = 128, warmup_batches: int = 2, graphs: bool = True) -> list[dict[str, Any]]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=hidden,
@@ -45,7 +45,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 64, min_len: int = 256, max_l
                            num_pages=num_users * (-(-(max_len + 4 * stride) // page_size) + 2),
                            dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
         cache = KVCacheModule(kv, "gpu")
-        cached_engine, full_engine = RankingEngine(model, cache, device), RankingEngine(model, None, device)
+        cached_engine = RankingEngine(model, cache, device, cuda_graphs=graphs and device.type == "cuda")
+        full_engine = RankingEngine(model, None, device)
         t_cached, t_full, diff, hits = [], [], 0.0, []
         for i, batch in enumerate(batches):
             for engine, times in ((cached_engine, t_cached), (full_engine, t_full)):
@@ -65,7 +66,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 64, min_len: int = 256, max_l
         n_req = sum(b.batch_size for b in batches[warmup_batches:])
         row = {"batch": bs, "requests": n_req, "cached_req_s": n_req / sum(t_cached), "full_req_s": n_req / sum(t_full),
                "cached_ms_p50": 1e3 * statistics.median(t_cached), "full_ms_p50": 1e3 * statistics.median(t_full),
-               "hit_rate": statistics.fmean(hits), "max_abs_diff": diff}
+               "hit_rate": statistics.fmean(hits), "max_abs_diff": diff, "cuda_graphs": graphs,
+               "graph_replays": getattr(cached_engine.graphs, "replays", 0)}
         row["throughput_x"] = row["cached_req_s"] / row["full_req_s"]
         rows.append(row)
         logger.info("e2e %s", row)
@@ -73,5 +75,5 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 64, min_len: int = 256, max_l
     return rows
 
 
-COLUMNS = ["batch", "requests", "cached_req_s", "full_req_s", "throughput_x", "cached_ms_p50", "full_ms_p50",
-           "hit_rate", "max_abs_diff"]
+COLUMNS = ["batch", "requests", "cuda_graphs", "graph_replays", "cached_req_s", "full_req_s", "throughput_x",
+           "cached_ms_p50", "full_ms_p50", "hit_rate", "max_abs_diff"]

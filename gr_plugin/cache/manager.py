@@ -46,7 +46,7 @@ from gr_plugin.cache.transfer import CopyHandle, DoneHandle, TransferEngine, mak
 
 logger = logging.getLogger(__name__)
 
-AppendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+AppendFn = Callable[..., None]  # (kv_layer, k, v, slots[, rows]) -> None
 
 
 def _config_dtypes() -> dict[str, torch.dtype]:
@@ -384,13 +384,17 @@ class KVCacheManager:
             plan.onboard_handle.wait_layer(layer)
 
     # ------------------------------------------------------------------ append
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan) -> None:
-        """Write the new tokens' K and V ``[N, H, D]`` of ``layer`` into the plan's pages."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan,
+               rows: torch.Tensor | None = None) -> None:
+        """Write the new tokens' K and V of ``layer`` into the plan's pages: ``k``/``v`` are
+        ``[N, H, D]``, or ``[M, H, D]`` with ``rows [N]`` naming each new token's row."""
         self._check_live(plan)
         cfg, meta = self.config, plan.metadata
         if not 0 <= layer < cfg.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {cfg.num_layers})")
-        want = (meta.num_new_tokens, cfg.num_heads, cfg.head_dim)
+        if rows is not None and rows.numel() != meta.num_new_tokens:
+            raise ValueError(f"rows has {rows.numel()} entries, the plan has {meta.num_new_tokens} new tokens")
+        want = (meta.num_new_tokens if rows is None else k.shape[0], cfg.num_heads, cfg.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
@@ -398,7 +402,10 @@ class KVCacheManager:
                 raise ValueError(f"{name} must be {self.kv_table.dtype}, got {t.dtype}")
             if t.device != self.kv_table.device:
                 raise ValueError(f"{name} must be on {self.kv_table.device}, got {t.device}")
-        self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots)
+        if rows is None:
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots)
+        else:
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, rows)
 
     # ------------------------------------------------------------------ commit / abort
     def _check_live(self, plan: BatchPlan) -> None:

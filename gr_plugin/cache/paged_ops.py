@@ -42,9 +42,15 @@ def _flat_kv_index(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
 
 
 def append_kv(
-    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k``/``v`` ``[N, H, D]`` into ``kv_layer`` ``[num_pages, 2, P, H, D]`` at ``slots`` ``[N]``."""
+    """Write ``k``/``v`` ``[N, H, D]`` into ``kv_layer`` ``[num_pages, 2, P, H, D]`` at ``slots`` ``[N]``.
+
+    With ``rows`` ``[N]``, token ``i`` is row ``rows[i]`` of ``k``/``v`` (a superset of the new tokens).
+    """
+    if rows is not None:
+        k, v = k[rows], v[rows]
     num_pages, _, page_size, num_heads, head_dim = kv_layer.shape
     flat = kv_layer.view(num_pages * 2 * page_size, num_heads, head_dim)
     k_rows, v_rows = _flat_kv_index(slots, page_size)

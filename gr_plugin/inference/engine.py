@@ -33,11 +33,16 @@ class StepResult:
 
 class RankingEngine:
     def __init__(self, model: HSTURanker, cache: KVCacheModule | None = None,
-                 device: torch.device | str | None = None, *, validate: bool = True) -> None:
+                 device: torch.device | str | None = None, *, validate: bool = True, cuda_graphs: bool = False) -> None:
         self.model = model.eval()
         self.cache = cache
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.validate = validate
+        self.graphs = None
+        if cuda_graphs and cache is not None and self.device.type == "cuda":
+            from gr_plugin.modules.graphs import CachedStackGraphs
+
+            self.graphs = CachedStackGraphs(model, cache)
 
     @torch.no_grad()
     def score(self, batch: RequestBatch) -> StepResult:
@@ -61,7 +66,8 @@ class RankingEngine:
             return StepResult(self.model(history, candidates, *sizes), computed_tokens=total, fell_back=True)
         try:
             logits = self.model.forward_cached(history, candidates, self.cache, plan,
-                                               num_candidates=int(cand.sum()), max_candidates=int(cand.max()))
+                                               num_candidates=int(cand.sum()), max_candidates=int(cand.max()),
+                                               graphs=self.graphs)
         except BaseException:
             self.cache.abort(plan)
             raise

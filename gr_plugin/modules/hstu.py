@@ -153,7 +153,7 @@ class HSTURanker(nn.Module):
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
-                       max_candidates: int | None = None) -> torch.Tensor:
+                       max_candidates: int | None = None, graphs=None) -> torch.Tensor:
         """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
         read from the cache's pages; the rest are computed and appended. Same logits as
         ``forward`` (to float rounding). ``num_candidates``/``max_candidates`` (host ints)
@@ -169,11 +169,14 @@ class HSTURanker(nn.Module):
             num_candidates,
         )
         x = self._embed(layout)
-        for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x)
-            attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
-            x = layer.finish(x, u, attn)
-        return self._head(x, layout)
+        y = graphs.run(x, layout, plan) if graphs is not None else None  # CUDA graphs (CachedStackGraphs)
+        if y is None:
+            for i, layer in enumerate(self.layers):
+                u, q, k, v = layer.project(x)
+                attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
+                x = layer.finish(x, u, attn)
+            y = x
+        return self._head(y, layout)
 
     def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
         """Host-side checks of a request against this model (keys, sizes, id ranges)."""

@@ -28,7 +28,7 @@ from gr_plugin.cache import (
 )
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.modules.tokens import TokenLayout
-from gr_plugin.ops import paged_hstu_attention
+from gr_plugin.ops import append_kv, paged_hstu_attention
 
 BACKENDS = ("gpu", "native", "flexkv")
 
@@ -56,7 +56,7 @@ class KVCacheModule(nn.Module):
             backend = make_backend(backend, tiers)
         if backend is not None and config.host_cache_bytes == 0:
             raise ValueError("a lower-tier backend needs host_cache_bytes > 0 (kvcache host_cache_gb)")
-        self.manager = KVCacheManager(config, backend, write_through=write_through)
+        self.manager = KVCacheManager(config, backend, write_through=write_through, append_fn=append_kv)
         self.register_buffer("kv_table", self.manager.kv_table, persistent=False)
 
     @property
@@ -100,8 +100,7 @@ class KVCacheModule(nn.Module):
         """Cached attention of ``layer``: ``q, k, v [Nq, H, D]`` in ``layout``'s query order
         (per user: new history events, then candidates) -> ``[Nq, H, D]``."""
         self.manager.wait_layer(plan, layer)
-        rows = layout.new_rows
-        self.manager.append(layer, k[rows], v[rows], plan)
+        self.manager.append(layer, k, v, plan, rows=layout.new_rows)
         meta = plan.metadata
         return paged_hstu_attention(
             q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,

@@ -98,3 +98,28 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
         assert worst_cached <= 1e-4 and worst_full <= 1e-4, (worst_cached, worst_full)
     else:  # bf16: the cached step is no worse than 2x the full pass in the same precision
         assert worst_cached <= 2 * worst_full + 1e-3, (worst_cached, worst_full)
+
+
+def test_cuda_graphs_replay_the_eager_cached_step():
+    from tests.modules.helpers import User, make_inputs
+
+    from gr_plugin.modules.graphs import CachedStackGraphs
+
+    model, _, cache, _, _ = _model_pair(torch.bfloat16)
+    graphs = CachedStackGraphs(model, cache)
+    g = torch.Generator().manual_seed(7)
+    users = [User(u, g) for u in range(2)]
+    for visit in range(4):
+        for u in users:
+            u.grow(16 if visit else 40)  # same shape every returning visit: one bucket, replayed
+        cands = [u.candidates(8) for u in users]
+        history, candidates, lengths, keys = make_inputs(users, cands)
+        h, c = history.to("cuda"), candidates.to("cuda")
+        with torch.no_grad():
+            plan = cache.begin([u.uid for u in users], lengths, keys)
+            eager = model.forward_cached(h, c, cache, plan, num_candidates=16, max_candidates=8).float()
+            graphed = model.forward_cached(h, c, cache, plan, num_candidates=16, max_candidates=8,
+                                           graphs=graphs).float()
+            cache.commit(plan)
+        assert (eager - graphed).abs().max().item() <= 1e-2
+    assert graphs.captures == 2 and graphs.replays == 4  # first visit and returning visits: two buckets

@@ -172,7 +172,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         # each program walks the whole history: split the keys so about two waves run.
         programs = m_blocks * bsz * heads
         kv_blocks = triton.cdiv(max(max_kv_len if max_kv_len is not None else max_q_len, 1), block_n)
-        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), kv_blocks // 4, 32))
+        want = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), kv_blocks // 4, 32))
+        num_splits = 1 << (want.bit_length() - 1)  # a power of two: few kernel specialisations
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
     if nq == 0 or bsz == 0:
         return out.to(q.dtype)
