@@ -101,9 +101,8 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
 
 
 def test_cuda_graphs_replay_the_eager_cached_step():
-    from tests.modules.helpers import User, make_inputs
-
     from gr_plugin.modules.graphs import CachedStackGraphs
+    from tests.modules.helpers import User, make_inputs
 
     model, _, cache, _, _ = _model_pair(torch.bfloat16)
     graphs = CachedStackGraphs(model, cache)
