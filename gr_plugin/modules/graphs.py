@@ -24,6 +24,8 @@ from gr_plugin.ops import paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # the graphed layers need the Triton kernels (no host sizes)
+
 
 @dataclasses.dataclass
 class _Bucket:
@@ -40,9 +42,11 @@ class _Bucket:
 
 
 class CachedStackGraphs:
-    def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32) -> None:
+    def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2) -> None:
         self.model, self.cache, self.max_buckets = model, cache, max_buckets
+        self.capture_after = capture_after
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
+        self._seen: dict[tuple[int, ...], int] = {}
         self._pool = None
         cfg = cache.config
         self._max_history = cfg.num_pages * cfg.page_size
@@ -102,13 +106,17 @@ class CachedStackGraphs:
         return b
 
     def run(self, x: torch.Tensor, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
-        """The layer stack's output for the step, or None when the step's bucket cannot be graphed
-        (the caller runs it eagerly)."""
+        """The layer stack's output for the step, or None when the step runs eagerly: a bucket is
+        captured the ``capture_after``-th time it is seen (a capture costs far more than an eager
+        step, so one-off shapes stay eager), and only when the Triton kernels serve the layers."""
+        if not x.is_cuda or self.cache.config.head_dim not in _TRITON_HEAD_DIMS:
+            return None
         meta = plan.metadata
         key = (meta.batch_size, x.shape[0], meta.num_new_tokens, layout.candidate_rows.numel(), layout.max_q_len)
         b = self._buckets.get(key)
         if b is None:
-            if len(self._buckets) >= self.max_buckets:
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
                 return None
             b = self._buckets[key] = self._capture(key, x, layout, plan)
         else:

@@ -61,8 +61,8 @@ def _model_pair(dtype):
     from gr_plugin.modules import KVCacheModule
     from tests.modules.helpers import User, make_inputs, tiny_model
 
-    model = tiny_model(0)
-    ref = tiny_model(0)
+    model = tiny_model(0, head_dim=16)  # a head size the Triton kernels serve
+    ref = tiny_model(0, head_dim=16)
     model = model.cuda().to(dtype)
     c = model.config
     cfg = KVCacheConfig(num_layers=c.num_layers, num_heads=c.num_heads, head_dim=c.head_dim, page_size=16,
@@ -105,7 +105,7 @@ def test_cuda_graphs_replay_the_eager_cached_step():
     from tests.modules.helpers import User, make_inputs
 
     model, _, cache, _, _ = _model_pair(torch.bfloat16)
-    graphs = CachedStackGraphs(model, cache)
+    graphs = CachedStackGraphs(model, cache, capture_after=1)
     g = torch.Generator().manual_seed(7)
     users = [User(u, g) for u in range(2)]
     for visit in range(4):

@@ -11,10 +11,10 @@ from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule, cache_token
 NUM_ITEMS = 50
 
 
-def tiny_model(seed: int = 0, **kw) -> HSTURanker:
+def tiny_model(seed: int = 0, head_dim: int = 8, **kw) -> HSTURanker:
     torch.manual_seed(seed)
     cfg = HSTUConfig(num_items=NUM_ITEMS, num_actions=6, num_time_buckets=8, max_positions=64,
-                     embedding_dim=16, num_layers=2, num_heads=2, head_dim=8, n_norm=32.0, **kw)
+                     embedding_dim=16, num_layers=2, num_heads=2, head_dim=head_dim, n_norm=32.0, **kw)
     model = HSTURanker(cfg)
     with torch.no_grad():  # torchrec initialises tables to small values; make them matter
         for p in model.parameters():
