@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager, TieredBackend
-from gr_plugin.cache.tiers import PageKey, SSDPageStore
+from gr_plugin.cache.tiers import PageKey, SSDPageStore, aligned_empty
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def ssd_read(directory: Path, total_mb: int = 512, page_kb: int = 256, repeats: 
     for u in range(8):
         chunk = slice(u * (n // 8), (u + 1) * (n // 8))
         assert all(store.put_many(keys[chunk], pages[chunk].contiguous()))
-    out = torch.empty_like(pages)
+    out = aligned_empty(tuple(pages.shape), pages.dtype)  # page-aligned, as a caller using O_DIRECT should
     store_t, raw_t = [], []
     slab_files = sorted((directory / "ssd-bench").glob("slab-*.bin"))
     used = n * store.slot_bytes

@@ -34,7 +34,7 @@ from gr_plugin.cache.config import KVCacheConfig
 from gr_plugin.cache.hashing import StreamHasher
 from gr_plugin.cache.host_tier import HostTier
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
-from gr_plugin.cache.tiers.types import PageKey, PageStore
+from gr_plugin.cache.tiers.types import PageKey, PageStore, aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class TieredBackend(HostTier):
                 continue
             keys = [PageKey(items[i].key[0], items[i].key[1], items[i].first_page + j, items[i].hashes[j])
                     for i, j in where]
-            staging = torch.empty((len(keys), *row), dtype=cfg.torch_dtype)
+            staging = aligned_empty((len(keys), *row), cfg.torch_dtype)  # O_DIRECT reads land in place
             got = store.get_many(keys, staging)
             good = [n for n, g in enumerate(got) if g]
             if good:

@@ -21,6 +21,7 @@ _EXPORTS = {
     "SSDPageStore": "ssd",
     "PageKey": "types",
     "PageStore": "types",
+    "aligned_empty": "types",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -127,3 +127,17 @@ class PageStore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, alignment: int = 4096) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory starts on an ``alignment`` boundary (page-aligned
+    anonymous memory), so stores using O_DIRECT read and write it in place, without a bounce copy."""
+    import mmap
+
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    buf = mmap.mmap(-1, -(-nbytes // alignment) * alignment)
+    return torch.frombuffer(buf, dtype=torch.uint8)[: numel * torch.empty((), dtype=dtype).element_size()].view(
+        dtype).view(shape)
