@@ -123,6 +123,7 @@ class KVCacheManager:
         self._plan_ids = itertools.count()
         self._clock = 0
         self._stats = KVCacheStats()
+        self._scratch: list[int] = []
         self.set_namespace(config.namespace)
 
     def rebind(self, kv_table: torch.Tensor) -> None:
@@ -615,6 +616,18 @@ class KVCacheManager:
             if all_tiers and self.backend is not None:
                 self.backend.clear()
 
+    def reserve_scratch_pages(self, n: int) -> list[int]:
+        """Take ``n`` pages out of circulation for good (e.g. where padded tokens of a CUDA-graph
+        bucket write their K/V); they never hold a user's tokens. Evicts LRU users if needed."""
+        with self._lock:
+            if n <= 0:
+                return []
+            if not self._make_room(n, set()):
+                raise ValueError(f"cannot reserve {n} scratch pages: the cache has {self.config.num_pages} pages")
+            pages = self._pool.allocate(n)
+            self._scratch.extend(pages)
+            return pages
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -666,6 +679,7 @@ class KVCacheManager:
                     owned.extend(plan.fresh_pages[b])
             assert sum(e.in_plan for e in self._entries.values()) == sum(
                 p.batch_size for p in self._plans.values()), "in_plan marks disagree with plans"
+            owned.extend(self._scratch)
             self._pool.check(owned)
             if self.backend is not None:
                 self.backend.check()

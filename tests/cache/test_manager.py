@@ -225,6 +225,19 @@ def test_bad_append_raises_and_leaves_pages_untouched():
         m.append(0, good, good, plan)
 
 
+def test_scratch_pages_leave_circulation_and_stay_accounted():
+    m = make(num_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])  # 4 pages
+    scratch = m.reserve_scratch_pages(2)
+    assert scratch == [4, 5] and m.stats()["device_pages_free"] == 0
+    m.check()
+    _, plan = run_step(m, [2], [history_tokens(2, 8)])  # 2 pages: user 1 must be evicted
+    assert plan is not None and m.lru_order() == [2] and not set(m.pages_of(2)) & set(scratch)
+    with pytest.raises(ValueError, match="cannot reserve 9 scratch pages"):
+        m.reserve_scratch_pages(9)
+    m.check()
+
+
 def test_kv_table_shape_is_checked():
     cfg = tiny_config()
     with pytest.raises(ValueError, match="kv_table"):

@@ -121,4 +121,6 @@ def test_cuda_graphs_replay_the_eager_cached_step():
                                            graphs=graphs).float()
             cache.commit(plan)
         assert (eager - graphed).abs().max().item() <= 1e-2
-    assert graphs.captures == 2 and graphs.replays == 4  # first visit and returning visits: two buckets
+    # 80 and 32 new events round to one padded bucket: captured once, replayed for every visit
+    assert graphs.captures == 1 and graphs.replays == 4
+    cache.manager.check()  # the scratch page is accounted for
