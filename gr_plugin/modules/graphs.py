@@ -50,6 +50,7 @@ class _Bucket:
     kv_indptr: torch.Tensor
     total_lengths: torch.Tensor
     new_lengths: torch.Tensor
+    scratch_slots: torch.Tensor
     graphs: list[torch.cuda.CUDAGraph] = dataclasses.field(default_factory=list)
 
 
@@ -86,17 +87,23 @@ class CachedStackGraphs:
     def _load(self, b: _Bucket, x: torch.Tensor, layout: TokenLayout, plan: BatchPlan) -> None:
         meta = plan.metadata
         nq, n, bsz = x.shape[0], meta.num_new_tokens, meta.batch_size
+        # NOTE: every tail is reset too: a bucket's previous step may have had more users or new
+        # tokens, and a stale slot would make a padding row overwrite a real page.
         b.x[:nq].copy_(x)
         b.x[nq:].zero_()
         b.q_offsets[: bsz + 1].copy_(layout.q_offsets)
         b.q_offsets[bsz + 1 :].fill_(b.tokens)  # the padding user's segment is [nq, tokens)
         b.rows[:n].copy_(layout.new_rows)
+        b.rows[n:].zero_()
         b.slots[:n].copy_(meta.new_token_slots)
+        b.slots[n:].copy_(b.scratch_slots[n:])
         b.kv_indices[: meta.num_batch_pages].copy_(meta.kv_indices)
         b.kv_indptr[: bsz + 1].copy_(meta.kv_indptr)
         b.kv_indptr[bsz + 1 :].fill_(meta.num_batch_pages)
         b.total_lengths[:bsz].copy_(meta.total_lengths)
+        b.total_lengths[bsz:].zero_()
         b.new_lengths[:bsz].copy_(meta.new_lengths)
+        b.new_lengths[bsz:].zero_()
 
     def _new_bucket(self, key: tuple[int, ...], x: torch.Tensor) -> _Bucket:
         users, tokens, new, max_q = key
@@ -105,12 +112,13 @@ class CachedStackGraphs:
         if self._scratch is None:
             self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
         page = self.cache.config.page_size
-        b = _Bucket(users=users, tokens=tokens, new=new, max_q_len=max_q,
+        scratch = self._scratch * page + torch.arange(new, **i64) % page
+        b = _Bucket(users=users, tokens=tokens, new=new, max_q_len=max_q, scratch_slots=scratch,
                     x=torch.zeros(tokens, x.shape[1], dtype=x.dtype, device=dev), ys=[],
                     q_offsets=torch.zeros(users + 1, **i64),
                     # padding new rows: any query row, written into the scratch page
                     rows=torch.zeros(new, **i64),
-                    slots=self._scratch * page + torch.arange(new, **i64) % page,
+                    slots=scratch.clone(),
                     kv_indices=torch.zeros(self.cache.config.num_pages, **i64),
                     kv_indptr=torch.zeros(users + 1, **i64), total_lengths=torch.zeros(users, **i64),
                     new_lengths=torch.zeros(users, **i64))
