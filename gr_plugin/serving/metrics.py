@@ -126,7 +126,7 @@ class MetricsServer:
         render = lambda: render_prometheus(stats_fn(), labels)  # noqa: E731
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return

@@ -51,6 +51,23 @@ def _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_k
 
 
 @triton.jit
+def _weights(q, k, alpha, inv_norm, IEEE: tl.constexpr):
+    """``SiLU(alpha q k^T) / n_norm`` of a query block and a key block, in fp32."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
+    else:
+        s = tl.dot(q, tl.trans(k)) * alpha
+    return s * tl.sigmoid(s) * inv_norm
+
+
+@triton.jit
+def _accumulate(acc, p, v, IEEE: tl.constexpr):
+    if IEEE:
+        return acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _hstu_fwd(
     Q, K, V, Out, KV, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -92,32 +109,15 @@ def _hstu_fwd(
         k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, False)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
-        else:
-            s = tl.dot(q, tl.trans(k)) * alpha
-        p = s * tl.sigmoid(s) * inv_norm
-        if IEEE:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
+        acc = _accumulate(acc, _weights(q, k, alpha, inv_norm, IEEE), v, IEEE)
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
         k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, True)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
-        else:
-            s = tl.dot(q, tl.trans(k)) * alpha
-        p = s * tl.sigmoid(s) * inv_norm
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
-        p = tl.where(allowed, p, 0.0)
-        if IEEE:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
+        acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, inv_norm, IEEE), 0.0), v, IEEE)
     # a candidate also sees itself (added once, by the first split)
     cand = row_ok & (rows >= new) & (split == 0)
     k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
