@@ -1,6 +1,7 @@
 """torch.export + AOTInductor round trip of the cached layer stack: equal to eager cached inference
 and to full recomputation on a replayed stream (several visits per user, so the cache is hit)."""
 
+import pytest
 import torch
 
 from gr_plugin.export.runner import PackagedCachedRanker, export_package, stack_inputs
@@ -60,3 +61,39 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
         if visit:
             assert sum(plan.cached_lengths) > 0
     cache.manager.check()
+
+
+@pytest.mark.gpu
+def test_aoti_package_on_the_gpu_equals_full_recompute(tmp_path):
+    from gr_plugin.cache import KVCacheConfig
+    from gr_plugin.modules import KVCacheModule
+
+    model = tiny_model(2, head_dim=16).cuda()
+    c = model.config
+    cache = KVCacheModule(KVCacheConfig(num_layers=c.num_layers, num_heads=c.num_heads, head_dim=c.head_dim,
+                                        page_size=16, num_pages=128, device="cuda"), "gpu")
+    g = torch.Generator().manual_seed(5)
+    users = [User(u, g) for u in range(2)]
+    for u in users:
+        u.grow(20)
+    cands = [u.candidates(3) for u in users]
+
+    def step(cands):
+        history, candidates, lengths, keys = make_inputs(users, cands)
+        plan = cache.begin([u.uid for u in users], lengths, keys)
+        return history.to("cuda"), candidates.to("cuda"), plan
+
+    history, candidates, plan = step(cands)
+    package = export_package(model, cache, history, candidates, plan, tmp_path / "stack.pt2")
+    cache.abort(plan)
+    packaged = PackagedCachedRanker(model, cache, package)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for _ in range(2):
+        for u in users:
+            u.grow(7)
+        history, candidates, plan = step([u.candidates(2) for u in users])
+        with torch.no_grad():
+            full = model(history, candidates)
+            got = packaged.score(history, candidates, plan)
+        cache.commit(plan)
+        assert (got - full).abs().max().item() <= 1e-4
