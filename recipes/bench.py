@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import block, common, e2e, host_overhead, soak, tiers
+from gr_plugin.bench import block, common, e2e, host_overhead, serve, soak, tiers
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ SUITES = {
     "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
     "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),
     "e2e": (e2e.run, e2e.COLUMNS, "End to end: request streams with and without the cache"),
+    "serve": (serve.run, serve.COLUMNS, "Serving: Triton server latency and throughput with and without cache hits"),
 }
 
 

@@ -16,6 +16,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps -r requirements/nodeps.txt
 "${pip[@]}" -r requirements/base.txt
 "${pip[@]}" --no-deps --no-build-isolation -e . 2>/dev/null || "${pip[@]}" --no-deps -e .
-"$venv/bin/python" -c "import gr_plugin.cache, torchrec, fbgemm_gpu, lightning, hydra" 
+"$venv/bin/python" -c "import gr_plugin.cache, torchrec, fbgemm_gpu, lightning, hydra"
+# PyTriton's bundled Triton Python backend needs numpy 1: give it its own small venv (docs/SCALING.md)
+"$venv/bin/python" -m gr_plugin.serving.triton_env
 echo "$want" > "$stamp"
 echo "setup: $venv ready"

@@ -17,6 +17,7 @@ It does not start or configure the server (see `server`).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import subprocess
@@ -55,6 +56,16 @@ def ensure_stub_env(env: str | Path | None = None) -> Path:
     env = Path(env) if env is not None else default_stub_env()
     if stub_env_ready(env):
         return env
+    env.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: replicas started together on a fresh machine would otherwise build the same venv at once.
+    with open(env.parent / f".{env.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stub_env_ready(env):
+            _create(env)
+    return env
+
+
+def _create(env: Path) -> None:
     logger.warning("creating the Triton Python-backend stub environment at %s (%s); later starts reuse it",
                    env, ", ".join(STUB_REQUIREMENTS))
     # NOTE: same base interpreter as this process: PyTriton picks the stub build for our Python version.
@@ -65,7 +76,6 @@ def ensure_stub_env(env: str | Path | None = None) -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"could not install {STUB_REQUIREMENTS} into {env}:\n{out.stdout}\n{out.stderr}")
     (env / _STAMP).write_text("\n".join(STUB_REQUIREMENTS))
-    return env
 
 
 def prepare_triton_environment(stub_env: str | Path | None = None, *, create: bool = True) -> Path:
@@ -92,5 +102,5 @@ def prepare_triton_environment(stub_env: str | Path | None = None, *, create: bo
 
 
 if __name__ == "__main__":  # python -m gr_plugin.serving.triton_env [PATH]
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, force=True)
     logger.info("Triton stub environment ready at %s", ensure_stub_env(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -1,0 +1,88 @@
+"""Serving (``python -m recipes.bench suite=serve``): the real server's latency and throughput with
+and without KV-cache hits.
+
+For each workload and ``kvcache`` option, one replica (``python -m recipes.serve``: stock
+tritonserver through PyTriton) starts on free loopback ports and the workload's visit stream
+(held-out visits, several per user, users interleaved) is replayed against it from ``num_threads``
+client threads in this process, one user per request. ``none`` recomputes every history (no hits);
+a cached option reuses returning users' pages. Reports client-side latency p50/p99 (send to
+answer), throughput, the cache's hit rate per tier and the mean users per engine step (what
+Triton's dynamic batcher merged) from the replica's ``/metrics``. Workloads: ``ml1m`` (MovieLens-1M,
+histories 20..1024 events) and ``long`` (synthetic, 512..2048 events, visits of up to 64 new ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gr_plugin.configs.schema import DataOptions
+from gr_plugin.configs.serve import ServeClientConfig
+from gr_plugin.serving import client_app
+from gr_plugin.serving.client import scrape
+from gr_plugin.serving.launch import ServerProcess
+from gr_plugin.serving.metrics import parse_prometheus
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ["workload", "kvcache", "requests", "threads", "latency_ms_p50", "latency_ms_p99", "throughput_rps",
+           "hit_rate", "hit_rate_device", "hit_rate_host", "hit_rate_ssd", "users_per_step", "engine_ms_per_step",
+           "errors"]
+
+
+def workload(name: str, max_users: int) -> DataOptions:
+    if name == "ml1m":
+        return DataOptions(source="ml-1m", max_users=max_users, interleave_users=max(1, (2 * max_users) // 3),
+                           max_history_len=1024)
+    if name == "long":
+        return DataOptions(source="synthetic", source_kwargs=dict(num_users=max_users, min_len=512, max_len=2048,
+                                                                  num_items=3706),
+                           max_visit_len=64, interleave_users=max(1, max_users // 4), max_history_len=4096)
+    raise ValueError(f"unknown serving workload {name!r}; choose ml1m or long")
+
+
+def run(workloads: tuple[str, ...] = ("ml1m", "long"), kvcache: tuple[str, ...] = ("none", "flexkv"),
+        num_requests: int = 400, num_threads: int = 4, max_users: int | dict[str, int] | None = None,
+        ckpt_path: str | None = None, model: str = "hstu_small", max_queue_delay_us: int = 2000,
+        warmup_requests: int = 20, server_overrides: tuple[str, ...] = (),
+        startup_timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """One row per (workload, ``kvcache`` option). Weights: ``ckpt_path``, else the default
+    checkpoint of ``recipes.train`` if it exists, else random (latency does not depend on them).
+    ``max_users``: users of each workload (default 300 for ml1m, 64 for long)."""
+    users = {"ml1m": 300, "long": 64}
+    if isinstance(max_users, int):
+        users = dict.fromkeys(users, max_users)
+    elif max_users:
+        users.update(max_users)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gr-bench-serve-") as tmp:
+        for name in workloads:
+            data = workload(name, users[name])
+            for option in kvcache:
+                overrides = [f"model={model}", f"kvcache={option}", "train_if_missing=false",
+                             f"triton.max_queue_delay_us={max_queue_delay_us}",
+                             f"kvcache.tiers.ssd_cache_dir={Path(tmp) / ('ssd-' + name + '-' + option)}",
+                             *server_overrides]
+                if ckpt_path:
+                    overrides.append(f"ckpt_path={ckpt_path}")
+                server = ServerProcess(overrides, Path(tmp) / f"{name}-{option}", name=f"bench-{name}-{option}")
+                try:
+                    server.start(timeout_s=startup_timeout_s)
+                    cfg = ServeClientConfig(data=data, urls=[server.info["http"]],
+                                            metrics_urls=[server.info["metrics"]], num_threads=num_threads,
+                                            max_requests=num_requests, warmup_requests=warmup_requests)
+                    summary = client_app.run(cfg)
+                    m = parse_prometheus(scrape(server.info["metrics"]), "gr_serve_")
+                    steps = max(1.0, m.get("gr_serve_steps_total", 0.0))
+                    row = {"workload": name, "kvcache": option, "weights": server.info.get("weights"), **summary,
+                           "users_per_step": m.get("gr_serve_users_scored_total", 0.0) / steps,
+                           "engine_ms_per_step": 1e3 * m.get("gr_serve_step_seconds_total", 0.0) / steps}
+                    logger.info("%s, kvcache=%s:\n%s", name, option, client_app.format_table(summary))
+                    rows.append(row)
+                finally:
+                    code = server.stop()
+                    if code != 0:
+                        logger.warning("%s exited with %s; log tail:\n%s", server.name, code, server.log()[-3000:])
+    return rows
