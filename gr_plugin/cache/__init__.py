@@ -7,8 +7,7 @@ tier configuration) can be imported by Hydra plugins without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gr_plugin._lazy import lazy_exports
 
 _EXPORTS = {
     "KVBackend": "backend",
@@ -31,10 +30,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,8 +10,7 @@ no torch, so Hydra plugins can use it cheaply).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gr_plugin._lazy import lazy_exports
 
 _EXPORTS = {
     "TierConfig": "flexkv_config",
@@ -27,10 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
