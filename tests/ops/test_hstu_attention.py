@@ -8,6 +8,8 @@ from gr_plugin.cache import paged_ops
 from gr_plugin.ops import jagged
 from gr_plugin.ops.pytorch.hstu_attention import hstu_attention_jagged, paged_hstu_attention
 
+from .paged_inputs import scatter_into_pages
+
 H, D, ALPHA, NORM = 2, 3, 0.7, 5.0
 
 
@@ -59,18 +61,7 @@ def test_paged_matches_loop(page_size, hist, cand, cached):
     B = len(hist)
     # every token's q/k/v as a full pass would see them
     full = [tuple(torch.randn(h + c, H, D, generator=g) for _ in range(3)) for h, c in zip(hist, cand)]
-    num_pages = sum(-(-h // page_size) for h in hist) + 2
-    table = torch.zeros(num_pages, 2, page_size, H, D)
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    indices, indptr = [], [0]
-    for b, h in enumerate(hist):
-        n = -(-h // page_size)
-        pages, perm = perm[:n], perm[n:]
-        indices += pages
-        indptr.append(len(indices))
-        for t in range(h):  # history K/V (cached and new) live in the pages
-            table[pages[t // page_size], 0, t % page_size] = full[b][1][t]
-            table[pages[t // page_size], 1, t % page_size] = full[b][2][t]
+    table, indices, indptr = scatter_into_pages(full, hist, page_size, 2, g)
     new = [h - c for h, c in zip(hist, cached)]
     qs, ks, vs, wants = [], [], [], []
     for b in range(B):

@@ -11,6 +11,8 @@ import torch
 from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as tri
 
+from .paged_inputs import scatter_into_pages
+
 ALPHA, NORM = 0.35, 16.0
 
 
@@ -18,18 +20,7 @@ def build(hist, cand, cached, page_size, heads, dim, dtype, device, seed=0):
     """Random paged + jagged inputs; returns (full-pass args, cached-step args) as dicts."""
     g = torch.Generator().manual_seed(seed)
     full = [tuple(torch.randn(h + c, heads, dim, generator=g) for _ in range(3)) for h, c in zip(hist, cand)]
-    npages = sum(-(-h // page_size) for h in hist) + 3
-    table = torch.zeros(npages, 2, page_size, heads, dim)
-    perm = torch.randperm(npages, generator=g).tolist()
-    indices, indptr = [], [0]
-    for b, h in enumerate(hist):
-        n = -(-h // page_size)
-        pages, perm = perm[:n], perm[n:]
-        indices += pages
-        indptr.append(len(indices))
-        for t in range(h):
-            table[pages[t // page_size], 0, t % page_size] = full[b][1][t]
-            table[pages[t // page_size], 1, t % page_size] = full[b][2][t]
+    table, indices, indptr = scatter_into_pages(full, hist, page_size, 3, g)
     lens = [h + c for h, c in zip(hist, cand)]
     to = dict(dtype=dtype, device=device)
     i64 = dict(dtype=torch.int64, device=device)
