@@ -1,10 +1,13 @@
 """End to end on a GPU (``python -m recipes.bench suite=e2e``): request streams through the whole
 model (embeddings, token layout, 8 HSTU layers, head) with and without the KV cache.
 
-Synthetic users with histories of 256 -> 4096 events return in visits of ``stride`` new events and
-ask to score ``num_candidates`` items; each batch is scored by the cached engine and then, in the
-same loop, by the full recomputation. Reports throughput (requests/s), latency and the largest score
-difference between the two.
+The stream: ``num_users`` synthetic users whose histories grow from ``min_len`` to ``max_len``
+events, ``stride`` new events per visit (so each user visits ``(max_len - min_len) / stride + 1``
+times and asks each time to score ``num_candidates`` items). ``interleave_users`` users (default:
+the batch size) are served round-robin, so a user's next visit comes after the others' current
+ones. Each batch is scored, in the same loop, by the cached engine with CUDA graphs, the cached
+engine without them, and the full recomputation. Reports throughput (requests/s), latency, hit
+rate and the largest score difference against the full pass.
 """
 
 from __future__ import annotations
@@ -24,56 +27,83 @@ from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule
 logger = logging.getLogger(__name__)
 
 
-def run(batch_sizes=(1, 2, 4, 8), num_users: int = 64, min_len: int = 256, max_len: int = 4096, stride: int = 128,
+def stream(batch_size: int, num_users: int, min_len: int, max_len: int, stride: int, num_candidates: int,
+           interleave_users: int | None = None) -> list:
+    """The request batches of the growing-history stream (CPU ``RequestBatch`` list)."""
+    if max_len < min_len or (max_len - min_len) % stride:
+        raise ValueError(f"max_len - min_len must be a non-negative multiple of stride={stride}, "
+                         f"got min_len={min_len}, max_len={max_len}")
+    visits = (max_len - min_len) // stride + 1
+    # NOTE: every user has max_len + stride events, so fixed-stride visits start at min_len, ..., max_len.
+    length = max_len + stride
+    dm = RecDataModule("synthetic", source_kwargs=dict(num_users=num_users, min_len=length, max_len=length,
+                                                        num_items=50_000), batch_size=batch_size,
+                       num_candidates=num_candidates, max_next=8, stride=stride, min_history=min_len,
+                       num_val_visits=0, num_test_visits=visits, interleave_users=interleave_users or batch_size)
+    dm.setup("predict")
+    return list(dm.predict_dataloader())
+
+
+def _time(engine: RankingEngine, batch, cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = engine.score(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    return res, time.perf_counter() - t0
+
+
+def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_len: int = 4096, stride: int = 128,
         num_candidates: int = 256, hidden: int = 1024, layers: int = 8, heads: int = 4, head_dim: int = 128,
-        page_size: int = 128, warmup_batches: int = 2, graphs: bool = True) -> list[dict[str, Any]]:
+        page_size: int = 128, warmup_batches: int = 2, interleave_users: int | None = None) -> list[dict[str, Any]]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=hidden,
                      num_layers=layers, num_heads=heads, head_dim=head_dim, n_norm=4096.0)
-    model = HSTURanker(cfg).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = HSTURanker(cfg).to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     model.eval()
     rows = []
     for bs in batch_sizes:
-        dm = RecDataModule("synthetic", source_kwargs=dict(num_users=num_users, min_len=min_len, max_len=max_len,
-                                                            num_items=50_000), batch_size=bs,
-                           num_candidates=num_candidates, max_next=8, stride=stride, num_val_visits=2,
-                           num_test_visits=2, interleave_users=max(bs, 8))
-        dm.setup("predict")
-        batches = list(dm.predict_dataloader())
+        batches = stream(bs, num_users, min_len, max_len, stride, num_candidates, interleave_users)
         kv = KVCacheConfig(num_layers=layers, num_heads=heads, head_dim=head_dim, page_size=page_size,
-                           num_pages=num_users * (-(-(max_len + 4 * stride) // page_size) + 2),
-                           dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
-        cache = KVCacheModule(kv, "gpu")
-        cached_engine = RankingEngine(model, cache, device, cuda_graphs=graphs and device.type == "cuda")
-        full_engine = RankingEngine(model, None, device)
-        t_cached, t_full, diff, hits = [], [], 0.0, []
+                           num_pages=num_users * (-(-(max_len + 2 * stride) // page_size) + 1) + 8,
+                           dtype="bfloat16" if cuda else "float32", device=str(device))
+        graph_cache, eager_cache = KVCacheModule(kv, "gpu"), KVCacheModule(kv, "gpu")
+        engines = {"graph": RankingEngine(model, graph_cache, device, cuda_graphs=cuda),
+                   "eager": RankingEngine(model, eager_cache, device),
+                   "full": RankingEngine(model, None, device)}
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        diff, hits = 0.0, []
         for i, batch in enumerate(batches):
-            for engine, times in ((cached_engine, t_cached), (full_engine, t_full)):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                res = engine.score(batch)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+            logits = {}
+            for name, engine in engines.items():
+                res, dt = _time(engine, batch, cuda)
                 if i >= warmup_batches:
-                    times.append(time.perf_counter() - t0)
-                if engine is cached_engine:
-                    logits = res.logits
+                    times[name].append(dt)
+                logits[name] = res.logits.float()
+                if name == "graph":
                     hits.append(res.cached_tokens / max(1, res.cached_tokens + res.computed_tokens))
-                else:
-                    diff = max(diff, (logits.float() - res.logits.float()).abs().max().item())
+            diff = max(diff, *((logits[n] - logits["full"]).abs().max().item() for n in ("graph", "eager")))
         n_req = sum(b.batch_size for b in batches[warmup_batches:])
-        row = {"batch": bs, "requests": n_req, "cached_req_s": n_req / sum(t_cached), "full_req_s": n_req / sum(t_full),
-               "cached_ms_p50": 1e3 * statistics.median(t_cached), "full_ms_p50": 1e3 * statistics.median(t_full),
-               "hit_rate": statistics.fmean(hits), "max_abs_diff": diff, "cuda_graphs": graphs,
-               "graph_replays": getattr(cached_engine.graphs, "replays", 0)}
-        row["throughput_x"] = row["cached_req_s"] / row["full_req_s"]
+        rate = {name: n_req / sum(t) for name, t in times.items()}
+        row = {"batch": bs, "requests": n_req, "batches": len(batches), "graph_replays": engines["graph"].graphs.replays
+               if engines["graph"].graphs is not None else 0,
+               "graph_req_s": rate["graph"], "eager_req_s": rate["eager"], "full_req_s": rate["full"],
+               "graph_ms_p50": 1e3 * statistics.median(times["graph"]),
+               "eager_ms_p50": 1e3 * statistics.median(times["eager"]),
+               "full_ms_p50": 1e3 * statistics.median(times["full"]),
+               "hit_rate": statistics.fmean(hits), "max_abs_diff": diff}
+        row["throughput_graph_x"] = rate["graph"] / rate["full"]
+        row["throughput_eager_x"] = rate["eager"] / rate["full"]
         rows.append(row)
         logger.info("e2e %s", row)
-        cache.manager.close()
+        graph_cache.manager.close()
+        eager_cache.manager.close()
     return rows
 
 
-COLUMNS = ["batch", "requests", "cuda_graphs", "graph_replays", "cached_req_s", "full_req_s", "throughput_x",
-           "cached_ms_p50", "full_ms_p50", "hit_rate", "max_abs_diff"]
+COLUMNS = ["batch", "requests", "batches", "graph_replays", "graph_req_s", "eager_req_s", "full_req_s",
+           "throughput_graph_x", "throughput_eager_x", "graph_ms_p50", "eager_ms_p50", "full_ms_p50", "hit_rate",
+           "max_abs_diff"]

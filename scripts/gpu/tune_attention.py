@@ -29,7 +29,9 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-rows = []
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+           (64, 32, 4, 2), (128, 32, 8, 3), (64, 32, 4, 3)]
+
 for name, (bs, hist, new, cands, heads, dim, page) in {
     "bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
     "bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
@@ -38,20 +40,25 @@ for name, (bs, hist, new, cands, heads, dim, page) in {
 }.items():
     args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
     flops = bs * heads * (new + cands) * hist * dim * 4
-    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
     results = []
-    for bm, bn, w, st in configs:
+    for (bm, bn, w, st), splits, fast in itertools.product(CONFIGS, (None, 1), (True, False)):
         if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
             continue
-        for splits in (None, 1):
-            try:
-                ms = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
-                                               num_splits=splits, blocks=(bm, bn, w, st)))
-            except Exception:
-                ms = float("nan")
-            results.append((ms, bm, bn, w, st, splits))
+        if not fast and (splits == 1 or (bm, bn, w, st) != tri._blocks(dim, torch.bfloat16)):
+            continue
+        try:
+            ms = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
+                                           num_splits=splits, blocks=(bm, bn, w, st), fast=fast))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            print(f"   BM={bm} BN={bn} warps={w} stages={st}: {type(e).__name__}")
+            ms = float("nan")
+        results.append((ms, bm, bn, w, st, splits, fast))
     results.sort(key=lambda r: (r[0] != r[0], r[0]))
     default = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv))
     print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s); best:")
-    for ms, bm, bn, w, st, sp in results[:4]:
-        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
+    for ms, bm, bn, w, st, sp, fast in results[:5]:
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp} "
+              f"fast={fast}")
+    slow = [r for r in results if not r[6]]
+    if slow:
+        print(f"   exact sigmoid, default blocks: {slow[0][0]:.3f} ms")

@@ -51,12 +51,23 @@ def _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_k
 
 
 @triton.jit
-def _weights(q, k, alpha, inv_norm, IEEE: tl.constexpr):
-    """``SiLU(alpha q k^T) / n_norm`` of a query block and a key block, in fp32."""
+def _weights(q, k, alpha, inv_norm, IEEE: tl.constexpr, FAST: tl.constexpr):
+    """``SiLU(alpha q k^T) / n_norm`` of a query block and a key block, in fp32.
+
+    ``FAST`` (CUDA, bf16 only): ``SiLU(y) = y/2 (1 + tanh(y/2))`` with the hardware ``tanh.approx``,
+    one special-function op per weight instead of two (exp and reciprocal); its relative error
+    (about 2^-11) is below the bf16 rounding the weights get before the second matmul.
+    """
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * alpha
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k)) * alpha
+        s = tl.dot(q, tl.trans(k))
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [s * (0.5 * alpha)], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        x = s * (0.5 * alpha * inv_norm)
+        return x + x * t
+    s = s * alpha
     return s * tl.sigmoid(s) * inv_norm
 
 
@@ -74,7 +85,7 @@ def _hstu_fwd(
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, FAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
@@ -109,7 +120,7 @@ def _hstu_fwd(
         k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, False)
-        acc = _accumulate(acc, _weights(q, k, alpha, inv_norm, IEEE), v, IEEE)
+        acc = _accumulate(acc, _weights(q, k, alpha, inv_norm, IEEE, FAST), v, IEEE)
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
@@ -117,7 +128,7 @@ def _hstu_fwd(
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, True)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
-        acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, inv_norm, IEEE), 0.0), v, IEEE)
+        acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, inv_norm, IEEE, FAST), 0.0), v, IEEE)
     # a candidate also sees itself (added once, by the first split)
     cand = row_ok & (rows >= new) & (split == 0)
     k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
@@ -157,7 +168,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
-            max_kv_len=None, num_splits=None, blocks=None):
+            max_kv_len=None, num_splits=None, blocks=None, fast=None):
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -186,13 +197,15 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         strides = (sp[0], sp[1], sp[2], sp[3])
     else:
         page_size, kv_arg, idx, ptr, strides = 1, k, q_offsets, q_offsets, (0, 0, 0, 0)
+    if fast is None:
+        fast = q.is_cuda and q.dtype == torch.bfloat16
     grid = (m_blocks * num_splits, bsz, heads)
     _hstu_fwd[grid](
         q, k, v, out, kv_arg, idx, ptr, q_offsets, hist_lens, new_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, SPLITS=num_splits, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), num_warps=warps, num_stages=stages,
     )
     return out if num_splits == 1 else out.to(q.dtype)
 

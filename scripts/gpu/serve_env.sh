@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install PyTriton and the Triton stub's environment on the lent GPU machine (no package index
+# there), from .serve_whl/ made on the dev box (see docs/BENCHMARKS.md, serving on the H200):
+#   pytriton-slim.tar.xz      nvidia-pytriton 0.5.5 wheel contents, stubs other than Python 3.12 removed
+#   numpy-1.26.4-slim.tar.xz  numpy 1.26.4 cp312 without tests/f2py (the stub needs numpy 1.x)
+#   *.whl                     tritonclient and the HTTP client's dependencies, pyzmq, sh
+# Usage (device command, after the .whl install into .site):  bash scripts/gpu/serve_env.sh .site
+set -euo pipefail
+site=${1:-.site}
+src=.serve_whl
+tar -xJf "$src/pytriton-slim.tar.xz" -C "$site"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$src"/*.whl
+# The stub env (gr_plugin.serving.triton_env's default location), made here without pip.
+env_dir=$(python3 -c 'import sys; print(sys.prefix)')/triton-stub
+python3 -m venv --without-pip --clear "$env_dir"
+sp=$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+tar -xJf "$src/numpy-1.26.4-slim.tar.xz" -C "$sp"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$sp" "$src"/pyzmq-*.whl
+PYTHONPATH=$site:$PWD python3 - "$env_dir" <<'PY'
+import sys
+from pathlib import Path
+from gr_plugin.serving import triton_env as t
+env = Path(sys.argv[1])
+(env / t._STAMP).write_text("\n".join(t.STUB_REQUIREMENTS))
+assert t.stub_env_ready(env), env
+print("stub env ready:", env)
+PY

@@ -1,0 +1,27 @@
+import pytest
+
+from gr_plugin.bench import e2e
+
+
+def test_stream_grows_every_history_by_stride():
+    batches = e2e.stream(2, 3, 32, 96, 32, 8)
+    seen: dict[int, list[int]] = {}
+    for b in batches:
+        assert b.batch_size <= 2
+        assert b.candidate_lengths.tolist() == [8] * b.batch_size
+        for u, n in zip(b.user_ids.tolist(), b.history_lengths.tolist()):
+            seen.setdefault(u, []).append(n)
+    assert seen == {u: [32, 64, 96] for u in (1, 2, 3)}
+
+
+def test_stream_rejects_a_range_that_is_not_a_multiple_of_stride():
+    with pytest.raises(ValueError, match="stride=32"):
+        e2e.stream(2, 3, 32, 100, 32, 8)
+
+
+def test_cached_engines_equal_full_recompute_on_cpu():
+    (row,) = e2e.run(batch_sizes=(2,), num_users=3, min_len=32, max_len=96, stride=32, num_candidates=8, hidden=32,
+                     layers=2, heads=2, head_dim=16, page_size=16)
+    assert row["requests"] == 5 and row["batches"] == 6
+    assert row["hit_rate"] > 0.3
+    assert row["max_abs_diff"] < 1e-5
