@@ -7,7 +7,19 @@ cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
 stamp="$venv/.gr-setup-stamp"
 want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+# The gr_kv C++ ops (gr_plugin/csrc, docs/EXPORT.md): built once per change of their sources or the venv.
+ops_stamp="$venv/.gr-ops-stamp"
+ops_want=$(cat gr_plugin/csrc/gr_kv_ops.cpp gr_plugin/csrc/build.py <(echo "$want") | sha256sum | cut -c1-16)
+build_ops() {
+  if [ ! -f "$ops_stamp" ] || [ "$(cat "$ops_stamp")" != "$ops_want" ]; then
+    command -v ninja >/dev/null 2>&1 || [ -x "$venv/bin/ninja" ] || "$venv/bin/python" -m pip install -q ninja
+    "$venv/bin/python" -m gr_plugin.csrc.build >/dev/null
+    echo "$ops_want" > "$ops_stamp"
+    echo "setup: gr_kv C++ ops built"
+  fi
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  build_ops
   exit 0
 fi
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
@@ -20,4 +32,5 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # PyTriton's bundled Triton Python backend needs numpy 1: give it its own small venv (docs/SCALING.md)
 "$venv/bin/python" -m gr_plugin.serving.triton_env
 echo "$want" > "$stamp"
+build_ops
 echo "setup: $venv ready"

@@ -1,34 +1,47 @@
-"""The ``gr_kv`` custom-op namespace: tensor-only ops the exported graph calls.
+"""The ``gr_kv`` custom-op namespace: the Python side of the tensor-only ops the exported graph calls.
 
-Owns the op schemas (frozen once released: see docs/EXPORT.md), their fake (meta) implementations
-and their dispatch to the Triton kernels (CUDA) or the pure-torch references (CPU). Stateful cache
-policy (lookup, LRU, allocation) stays outside the graph; the graph sees the cache table and small
-metadata tensors only. Mutation is declared in the schema (``mutates_args``).
+The op schemas (frozen once released: see docs/EXPORT.md), their boundary checks and their CPU kernels
+live in C++ (``gr_plugin/csrc/gr_kv_ops.cpp``, built and loaded on first import by
+`gr_plugin.csrc.build`), so a compiled package runs them without Python. This module owns what stays
+in Python: the fake (meta) kernels, and the CUDA kernels (the Triton kernels of
+``gr_plugin.ops.triton``) registered onto the C++-defined ops. Stateful cache policy (lookup, LRU,
+allocation) stays outside the graph; the graph sees the cache table and small metadata tensors only.
 
 - ``gr_kv::append_kv(kv_layer!, k, v, slots, rows) -> ()``: token ``i`` = row ``rows[i]`` of ``k``/``v``
   ``[M, H, D]`` is written at ``slots[i]`` of ``kv_layer [num_pages, 2, P, H, D]``.
 - ``gr_kv::paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths,
   q_offsets, new_lengths, alpha, n_norm) -> Tensor [Nq, H, D]``.
 - ``gr_kv::hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm) -> [T, H, D]``.
-Sizes the kernels need as host ints (longest segment, history tokens) are derived inside: on the CPU
-from the (host) metadata, on CUDA as upper bounds from tensor shapes, so no op syncs the device.
+On the CPU the C++ kernels read the (host) metadata; on CUDA the sizes the Triton kernels need as host
+ints are upper bounds from tensor shapes, so no op syncs the device.
+
+How the CUDA kernels reach an AOTInductor package: ``torch.library.triton_op`` cannot be used (it
+defines the op itself, in Python, and these schemas are defined in C++), so this module does what it
+does for an existing op: a ``FunctionalTensorMode`` rule (``register_torch_dispatch``) that, when
+Inductor (not ``torch.export``) traces a CUDA call, decomposes it into the Triton launch with the
+kernels wrapped in ``torch.library.wrap_triton``. The package then holds the compiled kernels (no
+call back into Python); CPU calls stay opaque and run the C++ kernels. See docs/EXPORT.md.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 
-from gr_plugin.cache import paged_ops
-from gr_plugin.ops.pytorch import hstu_attention as _ref
+from gr_plugin.csrc.build import load_library
+
+LIBRARY_PATH = load_library()  # defines the gr_kv schemas and CPU kernels (C++)
 
 
-def _check_table(kv_layer: torch.Tensor, k: torch.Tensor) -> None:
+def _check_table(kv_layer: torch.Tensor, k: torch.Tensor, name: str = "k") -> None:
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
         raise ValueError(f"kv_layer must be [num_pages, 2, P, H, D], got {tuple(kv_layer.shape)}")
     if k.dim() != 3 or tuple(k.shape[1:]) != tuple(kv_layer.shape[3:]):
-        raise ValueError(f"k must be [M, {kv_layer.shape[3]}, {kv_layer.shape[4]}], got {tuple(k.shape)}")
+        raise ValueError(f"{name} must be [M, {kv_layer.shape[3]}, {kv_layer.shape[4]}], got {tuple(k.shape)}")
     if k.dtype != kv_layer.dtype or k.device != kv_layer.device:
-        raise ValueError(f"k is {k.dtype} on {k.device}, kv_layer is {kv_layer.dtype} on {kv_layer.device}")
+        raise ValueError(f"{name} is {k.dtype} on {k.device}, kv_layer is {kv_layer.dtype} on {kv_layer.device}")
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -38,77 +51,148 @@ def _check_index(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-@torch.library.custom_op("gr_kv::append_kv", mutates_args=("kv_layer",))
-def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              rows: torch.Tensor) -> None:
-    _check_table(kv_layer, k)
-    _check_table(kv_layer, v)
+# NOTE: the CUDA kernels repeat the C++ checks that need no device data (dtypes, devices, shapes), with
+# the same messages; value checks (offsets, lengths, page ids) would sync the device, so CUDA skips them.
+def check_append(kv_layer, k, v, slots, rows) -> None:
+    _check_table(kv_layer, k, "k")
+    _check_table(kv_layer, v, "v")
     for name, t in (("slots", slots), ("rows", rows)):
         _check_index(name, t, kv_layer.device)
     if slots.numel() != rows.numel():
         raise ValueError(f"slots has {slots.numel()} entries, rows has {rows.numel()}")
-    if kv_layer.is_cuda:
-        from gr_plugin.ops.triton.append_kv import append_kv as tri
-
-        tri(kv_layer, k, v, slots, rows)
-    else:
-        paged_ops.append_kv(kv_layer, k, v, slots, rows)
 
 
-@append_kv.register_fake
-def _(kv_layer, k, v, slots, rows) -> None:
-    return None
-
-
-@torch.library.custom_op("gr_kv::paged_hstu_attention", mutates_args=())
-def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                         kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
-                         q_offsets: torch.Tensor, new_lengths: torch.Tensor, alpha: float,
-                         n_norm: float) -> torch.Tensor:
+def check_paged(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths) -> None:
     _check_table(kv_layer, k)
     if q.shape != k.shape or v.shape != k.shape:
         raise ValueError(f"q, k, v must share a shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr), ("history_lengths", history_lengths),
                     ("q_offsets", q_offsets), ("new_lengths", new_lengths)):
         _check_index(name, t, q.device)
-    if q.is_cuda:
-        from gr_plugin.ops.triton import hstu_attention as tri
-
-        nq = q.shape[0]
-        return tri.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
-                                        new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=nq,
-                                        max_history_len=kv_layer.shape[0] * kv_layer.shape[2],
-                                        num_history_tokens=0)
-    q_len = q_offsets[1:] - q_offsets[:-1]
-    return _ref.paged_hstu_attention(
-        q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha=alpha,
-        n_norm=n_norm, max_q_len=int(q_len.max()) if q_len.numel() else 0,
-        max_history_len=max(int(history_lengths.max()) if history_lengths.numel() else 0, 1),
-        num_history_tokens=int(history_lengths.sum()))
 
 
-@paged_hstu_attention.register_fake
-def _(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha, n_norm):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("gr_kv::hstu_attention_jagged", mutates_args=())
-def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                          num_candidates: torch.Tensor, alpha: float, n_norm: float) -> torch.Tensor:
+def check_jagged(q, k, v, seq_offsets, num_candidates) -> None:
     if q.shape != k.shape or v.shape != k.shape or q.dim() != 3:
         raise ValueError(f"q, k, v must share a [T, H, D] shape, got {tuple(q.shape)}, {tuple(k.shape)}")
     for name, t in (("seq_offsets", seq_offsets), ("num_candidates", num_candidates)):
         _check_index(name, t, q.device)
-    if q.is_cuda:
-        from gr_plugin.ops.triton import hstu_attention as tri
-
-        return tri.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
-                                         max_seq_len=q.shape[0])
-    lengths = seq_offsets[1:] - seq_offsets[:-1]
-    return _ref.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
-                                      max_seq_len=int(lengths.max()) if lengths.numel() else 0)
 
 
-@hstu_attention_jagged.register_fake
+@torch.library.register_fake("gr_kv::append_kv")
+def _(kv_layer, k, v, slots, rows) -> None:
+    return None
+
+
+@torch.library.register_fake("gr_kv::paged_hstu_attention")
+def _(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha, n_norm):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("gr_kv::hstu_attention_jagged")
 def _(q, k, v, seq_offsets, num_candidates, alpha, n_norm):
     return torch.empty_like(q)
+
+
+@functools.cache
+def _triton(name: str) -> types.ModuleType:
+    """A Triton module, imported on the first CUDA call (import-safe on CPU-only machines)."""
+    if name == "append_kv":
+        from gr_plugin.ops.triton import append_kv as mod
+    else:
+        from gr_plugin.ops.triton import hstu_attention as mod
+    return mod
+
+
+# ---- eager CUDA kernels: the Triton launchers, called directly ----
+
+@torch.library.register_kernel("gr_kv::append_kv", "cuda")
+def _(kv_layer, k, v, slots, rows) -> None:
+    check_append(kv_layer, k, v, slots, rows)
+    _triton("append_kv").append_kv(kv_layer, k, v, slots, rows)
+
+
+def _paged_cuda(tri, q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha,
+                n_norm, **kw):
+    check_paged(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
+    return tri.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
+                                    new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=q.shape[0],
+                                    max_history_len=kv_layer.shape[0] * kv_layer.shape[2], num_history_tokens=0,
+                                    **kw)
+
+
+def _jagged_cuda(tri, q, k, v, seq_offsets, num_candidates, alpha, n_norm, **kw):
+    check_jagged(q, k, v, seq_offsets, num_candidates)
+    return tri.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+                                     max_seq_len=q.shape[0], **kw)
+
+
+@torch.library.register_kernel("gr_kv::paged_hstu_attention", "cuda")
+def _(*args):
+    return _paged_cuda(_triton("hstu_attention"), *args)
+
+
+@torch.library.register_kernel("gr_kv::hstu_attention_jagged", "cuda")
+def _(*args):
+    return _jagged_cuda(_triton("hstu_attention"), *args)
+
+
+# ---- CUDA inside compiled graphs: the same launchers, their kernels wrapped with wrap_triton ----
+
+@functools.cache
+def traceable_triton(name: str) -> types.SimpleNamespace:
+    """The functions of Triton module ``name`` rebound to a copy of its globals in which every
+    ``@triton.jit`` kernel is ``wrap_triton(kernel)``: the same launch code (block sizes, grids, checks),
+    traceable by Inductor into ``triton_kernel_wrapper`` nodes. The module itself is left as it is."""
+    from triton.runtime.jit import JITFunction
+
+    mod = _triton(name)
+    env = dict(vars(mod))
+    for key, obj in vars(mod).items():
+        if isinstance(obj, JITFunction):
+            env[key] = torch.library.wrap_triton(obj)
+        elif isinstance(obj, types.FunctionType) and obj.__module__ == mod.__name__:
+            fn = types.FunctionType(obj.__code__, env, obj.__name__, obj.__defaults__, obj.__closure__)
+            fn.__kwdefaults__ = obj.__kwdefaults__
+            env[key] = fn
+    return types.SimpleNamespace(**env)
+
+
+def _decomposed(op_name: str, args: tuple):
+    """The traced body of a CUDA call. NOTE: ``num_splits=1``: the launchers' split heuristic compares
+    symbolic sizes (and takes ``bit_length`` of one), which dynamic shapes cannot do."""
+    if op_name == "append_kv":
+        check_append(*args)
+        return traceable_triton("append_kv").append_kv(*args)
+    tri = traceable_triton("hstu_attention")
+    if op_name == "paged_hstu_attention":
+        return _paged_cuda(tri, *args, num_splits=1)
+    return _jagged_cuda(tri, *args, num_splits=1)
+
+
+def decompose_on(tensors: list[torch.Tensor]) -> bool:
+    """Whether a traced call is decomposed into its Triton kernels: CUDA tensors (a seam for tests)."""
+    return any(t.is_cuda for t in tensors)
+
+
+def _register_triton_decomposition(op_name: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def rule(mode, op, types_, args, kwargs):
+        # NOTE: as torch.library.triton_op does: torch.export keeps the op (a serializable graph);
+        # Inductor's trace (AOTInductor's compile included) decomposes it.
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if custom_triton_ops_decomposition_disabled() or not decompose_on(tensors):
+            return mode.__torch_dispatch__(op, types_, args, kwargs)
+        if any(not issubclass(t, FakeTensor | FunctionalTensor) and t is not torch.Tensor for t in types_):
+            return NotImplemented
+        with mode:
+            return _decomposed(op_name, tuple(args) + tuple(kwargs.values()))
+
+    torch.library.register_torch_dispatch(f"gr_kv::{op_name}", FunctionalTensorMode, rule)
+
+
+for _name in ("append_kv", "paged_hstu_attention", "hstu_attention_jagged"):
+    _register_triton_decomposition(_name)

@@ -1,0 +1,336 @@
+// The gr_kv op schemas and their CPU kernels (ATen, no Python).
+//
+// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention and gr_kv::hstu_attention_jagged
+// (frozen: docs/EXPORT.md), their boundary checks, and the CPU kernels. The semantics are those of the
+// pure-torch references (gr_plugin/cache/paged_ops.py, gr_plugin/ops/pytorch/hstu_attention.py):
+//   out_i = sum_j mask_ij * SiLU(alpha * <q_i, k_j>) / n_norm * v_j, per head;
+//   a history token sees history at or before its position, a candidate sees the whole history and itself.
+// Does not own: fake (meta) kernels and the CUDA kernels (Python, gr_plugin/ops/library.py), cache policy.
+//
+// Every check runs before anything is written and raises c10::ValueError (Python: ValueError) naming
+// the offending value, so a bad call leaves the KV table as it was.
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace gr_kv {
+namespace {
+
+using at::Tensor;
+
+// Python spelling of a dtype ("torch.float64"), so messages read the same from C++ and Python.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string shape_str(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    s += std::to_string(t.size(i));
+    if (t.dim() == 1 || i + 1 < t.dim()) s += ",";
+    if (i + 1 < t.dim()) s += " ";
+  }
+  return s + ")";
+}
+
+// kv_layer [num_pages, 2, P, H, D]; k or v [M, H, D] of its dtype and device.
+void check_table(const Tensor& kv_layer, const Tensor& k, const char* name) {
+  TORCH_CHECK_VALUE(kv_layer.dim() == 5 && kv_layer.size(1) == 2,
+                    "kv_layer must be [num_pages, 2, P, H, D], got ", shape_str(kv_layer));
+  TORCH_CHECK_VALUE(k.dim() == 3 && k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4), name,
+                    " must be [M, ", kv_layer.size(3), ", ", kv_layer.size(4), "], got ", shape_str(k));
+  TORCH_CHECK_VALUE(k.scalar_type() == kv_layer.scalar_type() && k.device() == kv_layer.device(), name, " is ",
+                    dtype_name(k.scalar_type()), " on ", k.device(), ", kv_layer is ",
+                    dtype_name(kv_layer.scalar_type()), " on ", kv_layer.device());
+}
+
+void check_index(const char* name, const Tensor& t, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong && t.dim() == 1, name, " must be a 1-D int64 tensor, got ",
+                    dtype_name(t.scalar_type()), " of shape ", shape_str(t));
+  TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), ", expected ", device);
+}
+
+void check_float(const Tensor& q) {
+  const auto t = q.scalar_type();
+  TORCH_CHECK_VALUE(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+                    "q must be a floating tensor (float32, float64, float16, bfloat16), got ", dtype_name(t));
+}
+
+// offsets [B+1]: 0, non-decreasing, ending at `total` rows.
+void check_offsets(const char* name, const Tensor& offsets, int64_t total, const char* rows) {
+  const auto o = offsets.accessor<int64_t, 1>();
+  const int64_t n = offsets.size(0);
+  TORCH_CHECK_VALUE(n >= 1, name, " must have B+1 >= 1 entries, got 0");
+  TORCH_CHECK_VALUE(o[0] == 0, name, "[0] must be 0, got ", o[0]);
+  for (int64_t b = 0; b + 1 < n; ++b) {
+    TORCH_CHECK_VALUE(o[b + 1] >= o[b], name, " must be non-decreasing, got ", name, "[", b, "] = ", o[b], " > ",
+                      name, "[", b + 1, "] = ", o[b + 1]);
+  }
+  TORCH_CHECK_VALUE(o[n - 1] == total, name, "[-1] = ", o[n - 1], " but ", rows, " has ", total, " rows");
+}
+
+void check_size(const char* name, const Tensor& t, int64_t want, const char* what) {
+  TORCH_CHECK_VALUE(t.size(0) == want, name, " has ", t.size(0), " entries, expected ", want, " (", what, ")");
+}
+
+template <typename T>
+inline T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+
+// Strided [*, H, D] rows of one tensor: element (row, h, d).
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* p;
+  int64_t s0, s1, s2;
+  Rows(const Tensor& t)
+      : p(t.const_data_ptr<scalar_t>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)) {}
+  const scalar_t* at(int64_t row, int64_t h) const { return p + row * s0 + h * s1; }
+};
+
+template <typename acc_t, typename scalar_t>
+inline acc_t dot(const scalar_t* a, int64_t sa, const scalar_t* b, int64_t sb, int64_t dim) {
+  acc_t s = 0;
+  for (int64_t d = 0; d < dim; ++d) s += static_cast<acc_t>(a[d * sa]) * static_cast<acc_t>(b[d * sb]);
+  return s;
+}
+
+template <typename acc_t, typename scalar_t>
+inline void axpy(acc_t* acc, acc_t w, const scalar_t* v, int64_t sv, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += w * static_cast<acc_t>(v[d * sv]);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// append_kv: kv_layer[page(slots[i]), {0,1}, offset(slots[i])] = k[rows[i]], v[rows[i]]
+
+void append_kv_cpu(const Tensor& kv_layer, const Tensor& k, const Tensor& v, const Tensor& slots,
+                   const Tensor& rows) {
+  check_table(kv_layer, k, "k");
+  check_table(kv_layer, v, "v");
+  check_index("slots", slots, kv_layer.device());
+  check_index("rows", rows, kv_layer.device());
+  TORCH_CHECK_VALUE(slots.numel() == rows.numel(), "slots has ", slots.numel(), " entries, rows has ",
+                    rows.numel());
+  TORCH_CHECK_VALUE(k.size(0) == v.size(0), "k has ", k.size(0), " rows, v has ", v.size(0));
+  const int64_t n = slots.numel(), page_size = kv_layer.size(2), num_slots = kv_layer.size(0) * page_size;
+  const Tensor s_t = slots.contiguous(), r_t = rows.contiguous();
+  const int64_t *s = s_t.const_data_ptr<int64_t>(), *r = r_t.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // NOTE: every index is checked before the first write
+    TORCH_CHECK_VALUE(s[i] >= 0 && s[i] < num_slots, "slots[", i, "] = ", s[i], " is outside [0, ", num_slots,
+                      ") (num_pages * page_size)");
+    TORCH_CHECK_VALUE(r[i] >= 0 && r[i] < k.size(0), "rows[", i, "] = ", r[i], " is outside [0, ", k.size(0),
+                      ") (rows of k/v)");
+  }
+  const int64_t heads = kv_layer.size(3), dim = kv_layer.size(4);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_layer.scalar_type(), "gr_kv::append_kv", [&] {
+    scalar_t* out = kv_layer.data_ptr<scalar_t>();
+    const Rows<scalar_t> kr(k), vr(v);
+    const int64_t p0 = kv_layer.stride(0), p1 = kv_layer.stride(1), p2 = kv_layer.stride(2),
+                  p3 = kv_layer.stride(3), p4 = kv_layer.stride(4);
+    at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        scalar_t* dst = out + (s[i] / page_size) * p0 + (s[i] % page_size) * p2;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* ks = kr.at(r[i], h);
+          const scalar_t* vs = vr.at(r[i], h);
+          for (int64_t d = 0; d < dim; ++d) {
+            dst[h * p3 + d * p4] = ks[d * kr.s2];
+            dst[p1 + h * p3 + d * p4] = vs[d * vr.s2];
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// paged_hstu_attention: queries of user b are its new history tokens, then its candidates.
+
+Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_layer,
+                                const Tensor& kv_indices, const Tensor& kv_indptr,
+                                const Tensor& history_lengths, const Tensor& q_offsets,
+                                const Tensor& new_lengths, double alpha, double n_norm) {
+  check_table(kv_layer, k, "k");
+  TORCH_CHECK_VALUE(q.sizes() == k.sizes() && v.sizes() == k.sizes(), "q, k, v must share a shape, got ",
+                    shape_str(q), ", ", shape_str(k), ", ", shape_str(v));
+  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                        q.device() == k.device() && v.device() == k.device(),
+                    "q, k, v must share a dtype and device, got ", dtype_name(q.scalar_type()), " on ", q.device(),
+                    ", ", dtype_name(k.scalar_type()), " on ", k.device(), ", ", dtype_name(v.scalar_type()),
+                    " on ", v.device());
+  check_float(q);
+  const std::pair<const char*, const Tensor*> index_args[] = {
+      {"kv_indices", &kv_indices}, {"kv_indptr", &kv_indptr}, {"history_lengths", &history_lengths},
+      {"q_offsets", &q_offsets}, {"new_lengths", &new_lengths}};
+  for (const auto& [name, t] : index_args) check_index(name, *t, q.device());
+  TORCH_CHECK_VALUE(n_norm > 0, "n_norm must be > 0, got ", n_norm);
+  const int64_t nq = q.size(0), bsz = q_offsets.size(0) - 1;
+  check_offsets("q_offsets", q_offsets, nq, "q");
+  check_size("kv_indptr", kv_indptr, bsz + 1, "B+1, from q_offsets");
+  check_size("history_lengths", history_lengths, bsz, "B, from q_offsets");
+  check_size("new_lengths", new_lengths, bsz, "B, from q_offsets");
+  check_offsets("kv_indptr", kv_indptr, kv_indices.size(0), "kv_indices");
+  const Tensor qo_t = q_offsets.contiguous(), ptr_t = kv_indptr.contiguous(), idx_t = kv_indices.contiguous(),
+               hist_t = history_lengths.contiguous(), new_t = new_lengths.contiguous();
+  const int64_t *qo = qo_t.const_data_ptr<int64_t>(), *ptr = ptr_t.const_data_ptr<int64_t>(),
+                *idx = idx_t.const_data_ptr<int64_t>(), *hist = hist_t.const_data_ptr<int64_t>(),
+                *newl = new_t.const_data_ptr<int64_t>();
+  const int64_t page_size = kv_layer.size(2), num_pages = kv_layer.size(0);
+  for (int64_t b = 0; b < bsz; ++b) {
+    TORCH_CHECK_VALUE(hist[b] >= 0, "history_lengths[", b, "] = ", hist[b], " is negative");
+    TORCH_CHECK_VALUE(newl[b] >= 0 && newl[b] <= hist[b], "new_lengths[", b, "] = ", newl[b],
+                      " is outside [0, history_lengths[", b, "] = ", hist[b], "]");
+    TORCH_CHECK_VALUE(qo[b + 1] - qo[b] >= newl[b], "user ", b, " has ", qo[b + 1] - qo[b],
+                      " query tokens (q_offsets) but new_lengths[", b, "] = ", newl[b]);
+    const int64_t pages = (hist[b] + page_size - 1) / page_size;
+    TORCH_CHECK_VALUE(ptr[b + 1] - ptr[b] >= pages, "user ", b, " has ", ptr[b + 1] - ptr[b],
+                      " pages (kv_indptr) for history_lengths[", b, "] = ", hist[b], " (", pages, " pages of ",
+                      page_size, ")");
+    for (int64_t p = ptr[b]; p < ptr[b] + pages; ++p) {
+      TORCH_CHECK_VALUE(idx[p] >= 0 && idx[p] < num_pages, "kv_indices[", p, "] = ", idx[p], " is outside [0, ",
+                        num_pages, ")");
+    }
+  }
+  Tensor out = at::empty_like(q);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  if (nq == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gr_kv::paged_hstu_attention", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const Rows<scalar_t> qr(q), kr(k), vr(v);
+    const scalar_t* table = kv_layer.const_data_ptr<scalar_t>();
+    const int64_t t0 = kv_layer.stride(0), t1 = kv_layer.stride(1), t2 = kv_layer.stride(2),
+                  t3 = kv_layer.stride(3), t4 = kv_layer.stride(4);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
+    const acc_t a = static_cast<acc_t>(alpha), inv_norm = static_cast<acc_t>(1.0 / n_norm);
+    // One task per (query token, head); the user of a token by binary search on q_offsets.
+    at::parallel_for(0, nq * heads, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<acc_t> acc(dim);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t row = task / heads, h = task % heads;
+        const int64_t b = std::upper_bound(qo, qo + bsz + 1, row) - qo - 1;
+        const int64_t i = row - qo[b], n_new = newl[b], n_hist = hist[b];
+        // a new history token at position hist - new + i sees positions <= its own; a candidate, all.
+        const int64_t last = i < n_new ? n_hist - n_new + i : n_hist - 1;
+        const scalar_t* qp = qr.at(row, h);
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t j = 0; j <= last; ++j) {
+          const scalar_t* kp = table + idx[ptr[b] + j / page_size] * t0 + (j % page_size) * t2 + h * t3;
+          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kp, t4, dim)) * inv_norm;
+          axpy(acc.data(), w, kp + t1, t4, dim);
+        }
+        if (i >= n_new) {  // a candidate also sees itself, from k/v (it is never in the table)
+          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(row, h), kr.s2, dim)) * inv_norm;
+          axpy(acc.data(), w, vr.at(row, h), vr.s2, dim);
+        }
+        scalar_t* op = o + row * o0 + h * o1;
+        for (int64_t d = 0; d < dim; ++d) op[d * o2] = static_cast<scalar_t>(acc[d]);
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// hstu_attention_jagged: sequence b is seq_offsets[b]..seq_offsets[b+1], its last num_candidates[b]
+// tokens are candidates.
+
+Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                                 const Tensor& num_candidates, double alpha, double n_norm) {
+  TORCH_CHECK_VALUE(q.sizes() == k.sizes() && v.sizes() == k.sizes() && q.dim() == 3,
+                    "q, k, v must share a [T, H, D] shape, got ", shape_str(q), ", ", shape_str(k), ", ",
+                    shape_str(v));
+  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                        q.device() == k.device() && v.device() == k.device(),
+                    "q, k, v must share a dtype and device, got ", dtype_name(q.scalar_type()), " on ", q.device(),
+                    ", ", dtype_name(k.scalar_type()), " on ", k.device(), ", ", dtype_name(v.scalar_type()),
+                    " on ", v.device());
+  check_float(q);
+  check_index("seq_offsets", seq_offsets, q.device());
+  check_index("num_candidates", num_candidates, q.device());
+  TORCH_CHECK_VALUE(n_norm > 0, "n_norm must be > 0, got ", n_norm);
+  const int64_t total = q.size(0), bsz = seq_offsets.size(0) - 1;
+  check_offsets("seq_offsets", seq_offsets, total, "q");
+  check_size("num_candidates", num_candidates, bsz, "B, from seq_offsets");
+  const Tensor so_t = seq_offsets.contiguous(), nc_t = num_candidates.contiguous();
+  const int64_t *so = so_t.const_data_ptr<int64_t>(), *nc = nc_t.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < bsz; ++b) {
+    TORCH_CHECK_VALUE(nc[b] >= 0 && nc[b] <= so[b + 1] - so[b], "num_candidates[", b, "] = ", nc[b],
+                      " is outside [0, ", so[b + 1] - so[b], "] (the sequence length)");
+  }
+  Tensor out = at::empty_like(q);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  if (total == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gr_kv::hstu_attention_jagged", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const Rows<scalar_t> qr(q), kr(k), vr(v);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
+    const acc_t a = static_cast<acc_t>(alpha), inv_norm = static_cast<acc_t>(1.0 / n_norm);
+    at::parallel_for(0, total * heads, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<acc_t> acc(dim);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t row = task / heads, h = task % heads;
+        const int64_t b = std::upper_bound(so, so + bsz + 1, row) - so - 1;
+        const int64_t start = so[b], i = row - start, n_hist = so[b + 1] - start - nc[b];
+        const scalar_t* qp = qr.at(row, h);
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        const int64_t last = i < n_hist ? i : n_hist - 1;  // causal history; a candidate: all history
+        for (int64_t j = 0; j <= last; ++j) {
+          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(start + j, h), kr.s2, dim)) * inv_norm;
+          axpy(acc.data(), w, vr.at(start + j, h), vr.s2, dim);
+        }
+        if (i >= n_hist) {  // and itself
+          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(row, h), kr.s2, dim)) * inv_norm;
+          axpy(acc.data(), w, vr.at(row, h), vr.s2, dim);
+        }
+        scalar_t* op = o + row * o0 + h * o1;
+        for (int64_t d = 0; d < dim; ++d) op[d * o2] = static_cast<scalar_t>(acc[d]);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+// NOTE: a FRAGMENT, not TORCH_LIBRARY: other C++ sources (the cache core) may add ops to gr_kv, and two
+// TORCH_LIBRARY blocks for one namespace abort the process when both libraries load.
+TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
+  // The fake kernels and the CUDA kernels are registered from this Python module (imported on demand).
+  m.set_python_module("gr_plugin.ops.library");
+  m.def("append_kv(Tensor(a!) kv_layer, Tensor k, Tensor v, Tensor slots, Tensor rows) -> ()");
+  m.def(
+      "paged_hstu_attention(Tensor q, Tensor k, Tensor v, Tensor kv_layer, Tensor kv_indices, Tensor kv_indptr, "
+      "Tensor history_lengths, Tensor q_offsets, Tensor new_lengths, float alpha, float n_norm) -> Tensor");
+  m.def(
+      "hstu_attention_jagged(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor num_candidates, "
+      "float alpha, float n_norm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gr_kv, CPU, m) {
+  m.impl("append_kv", &append_kv_cpu);
+  m.impl("paged_hstu_attention", &paged_hstu_attention_cpu);
+  m.impl("hstu_attention_jagged", &hstu_attention_jagged_cpu);
+}
+
+}  // namespace gr_kv
