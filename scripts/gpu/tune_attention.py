@@ -29,19 +29,19 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
-           (64, 32, 4, 2), (128, 32, 8, 3), (64, 32, 4, 3)]
+# NOTE: each config compiles once per case (seconds each); an earlier wider sweep (BLOCK_M 128, BLOCK_N 32..128,
+# 8 warps, 2..4 stages) found nothing faster than these at head_dim 128 on the H200.
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2), (64, 32, 4, 3)]
 
 for name, (bs, hist, new, cands, heads, dim, page) in {
     "bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
     "bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
     "bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
-    "bs1 h16384 d128 p128": (1, 16384, 128, 256, 4, 128, 128),
 }.items():
     args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
     flops = bs * heads * (new + cands) * hist * dim * 4
     results = []
-    for (bm, bn, w, st), splits, fast in itertools.product(CONFIGS, (None, 1), (True, False)):
+    for (bm, bn, w, st), splits, fast in itertools.product(CONFIGS, (None,), (True, False)):
         if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
             continue
         if not fast and (splits == 1 or (bm, bn, w, st) != tri._blocks(dim, torch.bfloat16)):
