@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import block, common, e2e, host_overhead, serve, soak, tiers
+from gr_plugin.bench import block, common, e2e, export, host_overhead, serve, soak, tiers
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ SUITES = {
     "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),
     "e2e": (e2e.run, e2e.COLUMNS, "End to end: request streams with and without the cache"),
     "serve": (serve.run, serve.COLUMNS, "Serving: Triton server latency and throughput with and without cache hits"),
+    "export": (export.run, export.COLUMNS, "Export: eager cached step vs the AOTInductor package, hits and misses"),
 }
 
 

@@ -1,6 +1,6 @@
-"""``python -m recipes.export [+kvcache=gpu] [ckpt_path=...]``: export the cached layer stack to an
-AOTInductor package, reload it, replay request batches with eager and packaged cached inference,
-and check both against full recomputation."""
+"""``python -m recipes.export [+kvcache=gpu] [ckpt_path=...]``: export the whole cached step
+(embeddings, layer stack, head) to an AOTInductor package, reload it, replay request batches with
+eager and packaged cached inference, and check both against full recomputation."""
 
 from __future__ import annotations
 

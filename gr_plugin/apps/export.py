@@ -1,4 +1,5 @@
-"""``recipes.export``: export the cached layer stack to an AOTInductor package, reload it, and check it.
+"""``recipes.export``: export the whole cached step (embeddings, layer stack, head) to an AOTInductor
+package, reload it, and check it.
 
 Owns the export run: load the model (as ``recipes.infer`` does), take the first request batch as the
 example, write the package, reload it with ``aoti_load_package``, then replay the request stream
@@ -45,7 +46,7 @@ def run(cfg: InferConfig, out_dir: Path, package: str | None = None) -> dict[str
         return plan, history, candidates
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = package or str(out_dir / "cached_stack.pt2")
+    path = package or str(out_dir / "cached_model.pt2")
     cache = make_cache(opts, cfg.model, device, dtype)
     plan, history, candidates = begin(cache, batches[0])
     t0 = time.perf_counter()

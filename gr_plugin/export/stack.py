@@ -4,7 +4,7 @@ Owns the graph the exporter sees: the HSTU layers (the model's own modules, shar
 inputs the step's small metadata tensors and the device KV table, which the graph mutates through
 ``gr_kv::append_kv`` (an input, not a buffer: a compiled package then writes the caller's cache table
 instead of a copy baked into the package). Lookup, allocation and LRU stay outside, in `KVCacheManager`, which
-produces those tensors. Embeddings and the token layout are not part of it yet (see docs/EXPORT.md).
+produces those tensors. The whole step around it (embeddings, head) is `gr_plugin.export.model`.
 """
 
 from __future__ import annotations
@@ -35,12 +35,3 @@ class CachedLayerStack(nn.Module):
                                                      layer.n_norm)
             x = layer.finish(x, u, a)
         return x
-
-
-def export_stack(stack: CachedLayerStack, example: tuple[torch.Tensor, ...]) -> torch.export.ExportedProgram:
-    """``torch.export`` with dynamic query tokens, new tokens, pages and users."""
-    dim = torch.export.Dim
-    tokens, new, pages, users1, users = (dim("tokens", min=2), dim("new", min=1), dim("pages", min=1),
-                                         dim("users1", min=2), dim("users", min=1))
-    shapes = ({0: tokens}, {0: users1}, {0: new}, {0: new}, {0: pages}, {0: users1}, {0: users}, {0: users}, None)
-    return torch.export.export(stack, example, dynamic_shapes=shapes, strict=False)

@@ -1,11 +1,12 @@
-"""torch.export + AOTInductor round trip of the cached layer stack: equal to eager cached inference
-and to full recomputation on a replayed stream (several visits per user, so the cache is hit)."""
+"""torch.export + AOTInductor round trip of the whole cached step (embeddings, layer stack with the gr_kv
+ops, head): equal to eager cached inference and to full recomputation on a replayed stream (several
+visits per user, so the cache is hit)."""
 
 import pytest
 import torch
 
-from gr_plugin.export.runner import PackagedCachedRanker, export_package, stack_inputs
-from gr_plugin.export.stack import CachedLayerStack, export_stack
+from gr_plugin.export.model import CachedRankerProgram, export_program, program_inputs
+from gr_plugin.export.runner import PackagedCachedRanker, export_package
 
 from ..modules.helpers import User, make_inputs, tiny_cache, tiny_model
 
@@ -13,6 +14,27 @@ from ..modules.helpers import User, make_inputs, tiny_cache, tiny_model
 def _step(cache, users, cands):
     history, candidates, lengths, keys = make_inputs(users, cands)
     return history, candidates, cache.begin([u.uid for u in users], lengths, keys)
+
+
+def test_program_equals_eager_cached_step():
+    """The exportable module itself (no export): same logits as forward_cached, same pages written."""
+    model = tiny_model(0, head_dim=16)
+    cache = tiny_cache(model, backend="gpu")
+    g = torch.Generator().manual_seed(0)
+    users = [User(u, g) for u in range(3)]
+    for _ in range(2):  # a miss, then a hit
+        for u in users:
+            u.grow(4 + u.uid)
+        history, candidates, plan = _step(cache, users, [u.candidates(1 + u.uid) for u in users])
+        with torch.no_grad():
+            table = cache.kv_table.clone()
+            eager = model.forward_cached(history, candidates, cache, plan)
+            eager_table = cache.kv_table.clone()
+            cache.kv_table.copy_(table)
+            got = CachedRankerProgram(model)(*program_inputs(model, cache.kv_table, history, candidates, plan).args())
+        torch.testing.assert_close(got, eager, rtol=0, atol=1e-5)
+        assert (cache.kv_table - eager_table).abs().max() <= 1e-5
+        cache.commit(plan)
 
 
 def test_export_declares_the_table_mutation():
@@ -23,12 +45,15 @@ def test_export_declares_the_table_mutation():
     for u in users:
         u.grow(6)
     history, candidates, plan = _step(cache, users, [u.candidates(2) for u in users])
-    args, _ = stack_inputs(model, cache, history, candidates, plan)
-    with torch.no_grad():
-        program = export_stack(CachedLayerStack(model).eval(), args)
+    table = cache.kv_table.clone()
+    program = export_program(model, program_inputs(model, cache.kv_table, history, candidates, plan))
+    assert torch.equal(cache.kv_table, table)  # exporting only traces
     ops = {str(n.target) for n in program.graph.nodes}
-    assert "gr_kv.append_kv.default" in ops and "gr_kv.paged_hstu_attention.default" in ops
-    assert list(program.run_decompositions().graph_signature.user_inputs_to_mutate.values()) == ["kv_table"]
+    assert {"gr_kv.append_kv.default", "gr_kv.paged_hstu_attention.default", "aten.embedding.default"} <= ops
+    decomposed = program.run_decompositions()
+    assert list(decomposed.graph_signature.user_inputs_to_mutate.values()) == ["kv_table"]
+    # the weights are the model's (shared, not copied into the program at export time)
+    assert decomposed.state_dict["tables.0"].data_ptr() == model.embeddings.embeddings["item"].weight.data_ptr()
     cache.abort(plan)
 
 
@@ -39,34 +64,37 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
     users = [User(u, g) for u in range(3)]
     for u in users:
         u.grow(5 + 3 * u.uid)
-    cands = [u.candidates(3) for u in users]
-    history, candidates, plan = _step(cache, users, cands)
-    package = export_package(model, cache, history, candidates, plan, tmp_path / "stack.pt2")
+    history, candidates, plan = _step(cache, users, [u.candidates(3) for u in users])
+    package = export_package(model, cache, history, candidates, plan, tmp_path / "model.pt2")
     cache.abort(plan)
     packaged = PackagedCachedRanker(model, cache, package)
-    for visit in range(3):
+    visits = [(2, 1), (3, 4), (0, 2), (1, 1)]  # (new events, candidates): new sizes, an all-cached visit
+    for visit, (grow, ncand) in enumerate(visits):
         for u in users:
-            u.grow(2 + visit + u.uid)  # new sizes every visit: dynamic shapes
-        cands = [u.candidates(1 + (visit + u.uid) % 4) for u in users]
+            u.grow(grow + (u.uid if grow else 0))
+        cands = [u.candidates(ncand + (visit + u.uid) % 3) for u in users]
         history, candidates, plan = _step(cache, users, cands)
         with torch.no_grad():
             full = model(history, candidates)
             table = cache.kv_table.clone()
             eager = model.forward_cached(history, candidates, cache, plan)
+            eager_table = cache.kv_table.clone()
             cache.kv_table.copy_(table)  # the package must write the pages itself
             got = packaged.score(history, candidates, plan)
+        assert (cache.kv_table - eager_table).abs().max().item() <= 1e-5
         cache.commit(plan)
         assert (got - eager).abs().max().item() <= 1e-5
         assert (got - full).abs().max().item() <= 1e-5
         if visit:
             assert sum(plan.cached_lengths) > 0
+        if grow == 0:
+            assert sum(plan.metadata.new_lengths.tolist()) == 0  # every history event was cached
     cache.manager.check()
 
 
 @pytest.mark.gpu
-@pytest.mark.skip(reason="known failure: aoti_load_package of a CUDA package whose gr_kv ops are Python "
-                  "kernels segfaults (torch 2.11, H200, 2026-11-30); see docs/EXPORT.md")
 def test_aoti_package_on_the_gpu_equals_full_recompute(tmp_path):
+    """The package on CUDA: Triton kernels compiled into it (gr_plugin.ops.library), KV table on the GPU."""
     from gr_plugin.cache import KVCacheConfig
     from gr_plugin.modules import KVCacheModule
 
@@ -86,13 +114,13 @@ def test_aoti_package_on_the_gpu_equals_full_recompute(tmp_path):
         return history.to("cuda"), candidates.to("cuda"), plan
 
     history, candidates, plan = step(cands)
-    package = export_package(model, cache, history, candidates, plan, tmp_path / "stack.pt2")
+    package = export_package(model, cache, history, candidates, plan, tmp_path / "model.pt2")
     cache.abort(plan)
     packaged = PackagedCachedRanker(model, cache, package)
     torch.backends.cuda.matmul.allow_tf32 = False
-    for _ in range(2):
+    for grow in (7, 5, 0):
         for u in users:
-            u.grow(7)
+            u.grow(grow)
         history, candidates, plan = step([u.candidates(2) for u in users])
         with torch.no_grad():
             full = model(history, candidates)

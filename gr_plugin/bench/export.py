@@ -1,0 +1,135 @@
+"""Eager cached inference vs the AOTInductor package of the whole cached step, with and without cache hits.
+
+Owns the "export" benchmark (``python -m recipes.bench suite=export``): an ``hstu_small``-shaped model
+(random weights: only time is measured, plus a check against full recomputation) exported once, then
+the same request stream scored by ``forward_cached`` (eager Python) and by the package
+(`PackagedCachedRanker`, loaded in Python). ``hit``: returning users whose history is cached except
+the ``new_events`` newest; ``miss``: every step's plan is aborted, so the whole history is computed.
+Timed: the scoring call only (token layout + the model), not lookup / allocate / commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gr_plugin.bench.common import summarize
+from gr_plugin.cache import KVCacheConfig
+from gr_plugin.export.runner import PackagedCachedRanker, export_package
+from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule, cache_token_keys
+
+logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    """``batch`` users with growing random histories and fresh candidates each step."""
+
+    def __init__(self, cfg: HSTUConfig, batch: int, seed: int) -> None:
+        self.cfg, self.g = cfg, torch.Generator().manual_seed(seed)
+        self.events = [torch.zeros(3, 0, dtype=torch.int64) for _ in range(batch)]
+
+    def grow(self, n: int) -> None:
+        c = self.cfg
+        for b, e in enumerate(self.events):
+            new = torch.stack([torch.randint(1, c.num_items + 1, (n,), generator=self.g),
+                               torch.randint(1, c.num_actions, (n,), generator=self.g),
+                               torch.randint(0, c.num_time_buckets, (n,), generator=self.g)])
+            self.events[b] = torch.cat([e, new], dim=1)
+
+    def request(self, candidates: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, list[int], torch.Tensor]:
+        lengths = torch.tensor([e.shape[1] for e in self.events])
+        flat = torch.cat(self.events, dim=1)  # [3, sum(L)]
+        history = KeyedJaggedTensor(keys=["item", "action", "time"], values=flat.reshape(-1),
+                                    lengths=lengths.repeat(3))
+        cands = torch.randint(1, self.cfg.num_items + 1, (len(self.events) * candidates,), generator=self.g)
+        cand_kjt = KeyedJaggedTensor(keys=["item"], values=cands,
+                                     lengths=torch.full((len(self.events),), candidates))
+        return history, cand_kjt, lengths.tolist(), cache_token_keys(flat[0], flat[1], flat[2])
+
+
+def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedRanker, scenario: str, *,
+              batch: int, history_len: int, new_events: int, candidates: int, steps: int, warmup: int,
+              seed: int) -> list[dict[str, Any]]:
+    stream = _Stream(model.config, batch, seed)
+    users = list(range(seed * 1000, seed * 1000 + batch))
+    stream.grow(history_len - new_events)
+    if scenario == "hit":  # the history so far is cached
+        history, cands, lengths, keys = stream.request(candidates)
+        plan = cache.begin(users, lengths, keys)
+        with torch.no_grad():
+            model.forward_cached(history, cands, cache, plan)
+        cache.commit(plan)
+    times: dict[str, list[float]] = {"eager": [], "package": []}
+    diffs: dict[str, float] = {"eager": 0.0, "package": 0.0}
+    query_tokens = []
+    for step in range(warmup + steps):
+        if scenario == "hit" or step == 0:
+            stream.grow(new_events)
+        history, cands, lengths, keys = stream.request(candidates)
+        with torch.no_grad():
+            full = model(history, cands)
+        for mode in ("eager", "package"):
+            plan = cache.begin(users, lengths, keys)
+            if plan is None:
+                raise RuntimeError(f"the cache ({cache.config.num_pages} pages) cannot hold batch {batch}")
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                got = (model.forward_cached(history, cands, cache, plan) if mode == "eager"
+                       else packaged.score(history, cands, plan))
+                dt = (time.perf_counter() - t0) * 1e3
+            # NOTE: both modes see the same cache state: eager's step is rolled back; the package's is
+            # committed on a hit (the next step's cached prefix) and rolled back on a miss.
+            (cache.commit if scenario == "hit" and mode == "package" else cache.abort)(plan)
+            if step >= warmup:
+                times[mode].append(dt)
+                diffs[mode] = max(diffs[mode], (got - full).abs().max().item())
+        if step >= warmup:
+            query_tokens.append(sum(lengths) - sum(plan.cached_lengths) + batch * candidates)
+    rows = []
+    for mode in ("eager", "package"):
+        s = summarize(times[mode])
+        rows.append({"scenario": scenario, "mode": "eager cached (Python)" if mode == "eager" else "AOTI package",
+                     "batch": batch, "history": history_len, "query_tokens": round(sum(query_tokens) / steps),
+                     "ms_p50": s["p50"], "ms_p90": s["p90"], "max_abs_diff_vs_full": diffs[mode]})
+    return rows
+
+
+def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates: int = 16, steps: int = 20,
+        warmup: int = 3, page_size: int = 16, model: dict | None = None) -> list[dict[str, Any]]:
+    """Rows for the ``hit`` and ``miss`` scenarios, eager and package each. ``model``: `HSTUConfig`
+    overrides (default ``hstu_small``'s shape, dropout off)."""
+    torch.manual_seed(0)
+    cfg = HSTUConfig(**{"num_items": 3706, "num_time_buckets": 32, "embedding_dim": 64, "num_layers": 2,
+                        "num_heads": 2, "head_dim": 32, "n_norm": 512.0, **(model or {})})
+    net = HSTURanker(cfg).eval()
+    pages = 4 * batch * (-(-(history_len + (warmup + steps) * new_events) // page_size) + 1)
+    cache = KVCacheModule(KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                                        page_size=page_size, num_pages=pages, device="cpu"), "gpu")
+    stream = _Stream(cfg, batch, seed=99)
+    stream.grow(history_len)
+    history, cands, lengths, keys = stream.request(candidates)
+    plan = cache.begin(list(range(-batch, 0)), lengths, keys)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = export_package(net, cache, history, cands, plan, Path(tmp) / "model.pt2")
+        export_s = time.perf_counter() - t0
+        cache.abort(plan)
+        packaged = PackagedCachedRanker(net, cache, path)
+        logger.info("export + AOTInductor compile: %.1f s", export_s)
+        rows = []
+        for i, scenario in enumerate(("hit", "miss")):
+            rows += _scenario(net, cache, packaged, scenario, batch=batch, history_len=history_len,
+                              new_events=new_events, candidates=candidates, steps=steps, warmup=warmup, seed=i + 1)
+    for r in rows:
+        r["export_s"] = export_s
+    return rows
+
+
+COLUMNS = ["scenario", "mode", "batch", "history", "query_tokens", "ms_p50", "ms_p90", "max_abs_diff_vs_full",
+           "export_s"]
