@@ -29,6 +29,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -r requirements/base.txt
 "${pip[@]}" --no-deps --no-build-isolation -e . 2>/dev/null || "${pip[@]}" --no-deps -e .
 "$venv/bin/python" -c "import gr_plugin.cache, torchrec, fbgemm_gpu, lightning, hydra"
+# The C++ cache policy core (torch.utils.cpp_extension + ninja; cached, rebuilt when sources change)
+command -v ninja >/dev/null 2>&1 || "${pip[@]}" ninja
+"$venv/bin/python" -m gr_plugin.csrc.core.build
 # PyTriton's bundled Triton Python backend needs numpy 1: give it its own small venv (docs/SCALING.md)
 "$venv/bin/python" -m gr_plugin.serving.triton_env
 echo "$want" > "$stamp"

@@ -11,6 +11,8 @@ consecutive page hashes cost only the new bytes.
 
 Token rows are int64 ``[N]`` or ``[N, F]`` (F features per token, e.g. item id, action, timestamp):
 all of them go into the hash, so a history that differs in any feature never matches.
+The C++ core (``gr_plugin/csrc/core``) computes the same digests through the system's libxxhash;
+digests cross that boundary as int64 ``[n, 2]`` (low, high) tensors (`to_pairs` / `from_pairs`).
 This module does not decide what is cached.
 """
 
@@ -20,6 +22,38 @@ import ctypes
 
 import torch
 import xxhash
+
+_U64 = (1 << 64) - 1
+
+
+def as_int64(value: int) -> int:
+    """A uint64 (a seed, half a digest) as the int64 with the same bits (what C++ receives)."""
+    return value - (1 << 64) if value >> 63 else value
+
+
+def to_pairs(digests: list[int]) -> torch.Tensor:
+    """128-bit digests as int64 ``[n, 2]`` (low, high) with the same bits."""
+    flat = []
+    for d in digests:
+        flat.append(as_int64(d & _U64))
+        flat.append(as_int64(d >> 64))
+    return torch.tensor(flat, dtype=torch.int64).view(-1, 2)
+
+
+def from_pairs(pairs: torch.Tensor) -> list[int]:
+    """Inverse of `to_pairs`."""
+    flat = pairs.view(-1).tolist()
+    return [((flat[i + 1] & _U64) << 64) | (flat[i] & _U64) for i in range(0, len(flat), 2)]
+
+
+def page_digests(tokens: torch.Tensor, start: int, length: int, page_size: int, seed: int) -> list[int]:
+    """Prefix hash at each full page of ``tokens[start : start + length]`` (one streaming pass)."""
+    h = StreamHasher(seed)
+    out = []
+    for i in range(length // page_size):
+        h.update(tokens, start + i * page_size, start + (i + 1) * page_size)
+        out.append(h.digest())
+    return out
 
 
 def namespace_seed(namespace: str) -> int:

@@ -1,8 +1,9 @@
 """CSR batch metadata: what kernels need to read and write one batch's pages.
 
-Owns `PagedBatchMetadata` and `build_metadata`, which turns the per-user page lists and lengths
-chosen by the manager into int64 tensors in one host pass and moves them to the cache device with a
-single copy. It knows nothing about users or tiers.
+Owns `PagedBatchMetadata` (named views of one packed int64 buffer) and `build_metadata`, which
+turns per-user page lists and lengths into that buffer in one host pass (in C++, the code the
+manager's allocate runs) and moves it to the cache device with a single copy. It knows nothing
+about users or tiers.
 
 Shapes (``B`` users, ``N`` new tokens, ``T`` history tokens, ``M`` pages in the batch):
 - ``kv_indptr [B+1]``, ``kv_indices [M]``, ``kv_last_page_len [B]``: the pages of each user's whole
@@ -18,6 +19,8 @@ import functools
 from array import array
 
 import torch
+
+from gr_plugin.csrc.core.build import load as load_core
 
 # Fields packed in the buffer, in order: (name, length in terms of B / pages / N).
 _FIELDS = (
@@ -98,23 +101,19 @@ class PagedBatchMetadata:
                 f"page_size={self.page_size}, device={self.device})")
 
 
-_IOTA = array("q", range(4096))
-
-
-def _iota(stop: int) -> array:
-    global _IOTA
-    if stop > len(_IOTA):
-        _IOTA = array("q", range(max(stop, 2 * len(_IOTA))))
-    return _IOTA
-
-
-def _prefix_sums(values: list[int]) -> list[int]:
-    out = [0]
-    acc = 0
-    for v in values:
-        acc += v
-        out.append(acc)
-    return out
+def metadata_from_host(flat: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
+                       num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int,
+                       device: torch.device) -> PagedBatchMetadata:
+    """Wrap a packed host buffer (int64 CPU, `_FIELDS` order) and move it to ``device`` in one copy."""
+    if device.type != "cpu":
+        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+        staged.copy_(flat)
+        flat = staged.to(device, non_blocking=True)
+    return PagedBatchMetadata(
+        flat, page_size=page_size, batch_size=batch_size, num_new_tokens=num_new_tokens,
+        num_total_tokens=num_total_tokens, num_batch_pages=num_batch_pages, max_new_len=max_new_len,
+        max_total_len=max_total_len,
+    )
 
 
 def build_metadata(
@@ -126,46 +125,22 @@ def build_metadata(
 ) -> PagedBatchMetadata:
     """Build the batch metadata from host values in one pass; one host→device copy off the CPU.
 
-    ``page_lists[b]`` (``array('q')``) holds the pages of user ``b``'s first ``total_lengths[b]``
-    tokens, ``cached_lengths[b]`` of which are already in those pages.
+    ``page_lists[b]`` (``array('q')`` or a list of ints) holds the pages of user ``b``'s first
+    ``total_lengths[b]`` tokens (``ceil(total / page_size)`` of them), ``cached_lengths[b]`` of
+    which are already in those pages. Bad lengths or page counts raise ValueError.
     """
-    # NOTE: everything is appended to one int64 array with C-speed extends (no per-token Python
-    # loop, no per-field tensor op), then viewed as a tensor and split into fields.
-    bsz = len(total_lengths)
-    new_lengths = [t - c for t, c in zip(total_lengths, cached_lengths)]
-    num_pages = [len(p) for p in page_lists]
-    last = [t - (n - 1) * page_size if n else 0 for t, n in zip(total_lengths, num_pages)]
-    kv_indptr = _prefix_sums(num_pages)
-    new_offsets = _prefix_sums(new_lengths)
-    total_offsets = _prefix_sums(total_lengths)
-    n_new, n_pages = new_offsets[-1], kv_indptr[-1]
-
-    buf = array("q", kv_indptr)
-    for part in (last, cached_lengths, new_lengths, total_lengths, new_offsets, total_offsets):
-        buf.extend(part)
+    # NOTE: the C++ core packs the buffer (kv_core.cpp `build_metadata`, the same code the
+    # manager's allocate runs), so the layout is written in one place.
+    load_core()
+    indices = array("q")
     for pages in page_lists:
-        buf.extend(pages)
-    one = array("q", [0])
-    for b, n in enumerate(new_lengths):
-        if n:
-            one[0] = b
-            buf.extend(one * n)
-    iota = _iota(max(total_lengths))
-    for c, t in zip(cached_lengths, total_lengths):
-        buf.extend(iota[c:t])
-
-    flat = torch.frombuffer(buf, dtype=torch.int64)
-    if device.type != "cpu":
-        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
-        staged.copy_(flat)
-        flat = staged.to(device, non_blocking=True)
-    return PagedBatchMetadata(
-        flat,
-        page_size=page_size,
-        batch_size=bsz,
-        num_new_tokens=n_new,
-        num_total_tokens=total_offsets[-1],
-        num_batch_pages=n_pages,
-        max_new_len=max(new_lengths),
-        max_total_len=max(total_lengths),
+        indices.extend(pages)
+    kv_indices = torch.frombuffer(indices, dtype=torch.int64) if indices else torch.empty(0, dtype=torch.int64)
+    flat = torch.ops.gr_kv_core.build_metadata(
+        kv_indices, [len(p) for p in page_lists], list(cached_lengths), list(total_lengths), page_size)
+    new_lengths = [t - c for t, c in zip(total_lengths, cached_lengths)]
+    return metadata_from_host(
+        flat, page_size=page_size, batch_size=len(total_lengths), num_new_tokens=sum(new_lengths),
+        num_total_tokens=sum(total_lengths), num_batch_pages=len(indices), max_new_len=max(new_lengths),
+        max_total_len=max(total_lengths), device=device,
     )

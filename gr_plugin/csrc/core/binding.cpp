@@ -1,0 +1,343 @@
+// Torch binding of the cache policy core: torch.classes.gr_kv_core.{PagePool, CacheCore} and the
+// request-level ops torch.ops.gr_kv_core.{lookup, allocate, commit, abort, build_metadata, ...}.
+//
+// Owns only type conversion and input checks of tensors (dtype, device, shape); the policy lives
+// in kv_core.h. std::invalid_argument from the core becomes Python's ValueError (TORCH_CHECK_VALUE),
+// anything else a RuntimeError. Digests cross the boundary as int64 [n, 2] tensors (low, high).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kv_core.h"
+
+namespace gr_kv_core {
+namespace {
+
+// Runs `fn`, turning the core's bad-input errors into ValueError.
+template <typename Fn>
+auto guarded(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+    throw;  // unreachable: the check above throws
+  }
+}
+
+at::Tensor to_tensor(const std::vector<int64_t>& v) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
+  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+  return t;
+}
+
+at::Tensor digests_to_tensor(const std::vector<Digest>& d) {
+  at::Tensor t = at::empty({static_cast<int64_t>(d.size()), 2}, at::TensorOptions().dtype(at::kLong));
+  static_assert(sizeof(Digest) == 2 * sizeof(int64_t), "Digest is two uint64");
+  if (!d.empty()) std::memcpy(t.data_ptr<int64_t>(), d.data(), d.size() * sizeof(Digest));
+  return t;
+}
+
+const Digest* digest_ptr(const at::Tensor& t, int64_t rows, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), name,
+                    " must be a contiguous int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == 2 && t.size(0) == rows, name, " must have shape [", rows,
+                    ", 2], got ", t.sizes());
+  return reinterpret_cast<const Digest*>(t.data_ptr<int64_t>());
+}
+
+// Token rows of a request: int64 CPU [sum(L)] or [sum(L), F], contiguous; offsets [B+1].
+int64_t check_tokens(const at::Tensor& tokens, const std::vector<int64_t>& offsets, size_t batch) {
+  TORCH_CHECK_VALUE(tokens.scalar_type() == at::kLong, "tokens must be int64, got ", tokens.scalar_type());
+  TORCH_CHECK_VALUE(tokens.device().is_cpu(), "tokens must be on the CPU, got ", tokens.device());
+  TORCH_CHECK_VALUE(tokens.dim() == 1 || tokens.dim() == 2, "tokens must be [sum(L)] or [sum(L), F], got shape ",
+                    tokens.sizes());
+  TORCH_CHECK_VALUE(tokens.is_contiguous(), "tokens must be contiguous");
+  TORCH_CHECK_VALUE(offsets.size() == batch + 1, "history_offsets has ", offsets.size(), " entries for ", batch,
+                    " users (want B+1)");
+  TORCH_CHECK_VALUE(offsets[0] == 0, "history_offsets must start at 0, got ", offsets[0]);
+  for (size_t b = 1; b < offsets.size(); ++b) {
+    TORCH_CHECK_VALUE(offsets[b] >= offsets[b - 1], "history_offsets decrease at index ", b, ": ", offsets[b - 1],
+                      " -> ", offsets[b]);
+  }
+  TORCH_CHECK_VALUE(offsets.back() == tokens.size(0), "tokens has ", tokens.size(0), " rows but history_offsets end at ",
+                    offsets.back());
+  return tokens.element_size() * (tokens.dim() == 2 ? tokens.size(1) : 1);
+}
+
+// HistoryRefs of a request, with optional caller digests: page_digests [sum(L_b // P), 2] in
+// batch order; tail_digests [B, 2] covering tail_tokens[b] rows each.
+std::vector<HistoryRef> histories(const at::Tensor& tokens, const std::vector<int64_t>& offsets, size_t batch,
+                                  int64_t page_size, const std::optional<at::Tensor>& page_digests,
+                                  const std::optional<at::Tensor>& tail_digests,
+                                  const std::optional<std::vector<int64_t>>& tail_tokens) {
+  const int64_t row_bytes = check_tokens(tokens, offsets, batch);
+  const auto* base = static_cast<const uint8_t*>(tokens.data_ptr());
+  std::vector<HistoryRef> out(batch);
+  TORCH_CHECK_VALUE(tail_digests.has_value() == tail_tokens.has_value(),
+                    "tail_digests and tail_tokens go together");
+  TORCH_CHECK_VALUE(!page_digests.has_value() || tail_digests.has_value(),
+                    "caller digests need tail_digests too (the hash of each user's first tail_tokens rows)");
+  const Digest* pages = nullptr;
+  const Digest* tails = nullptr;
+  if (tail_digests.has_value()) {
+    int64_t num_full = 0;
+    for (size_t b = 0; b < batch; ++b) num_full += (offsets[b + 1] - offsets[b]) / page_size;
+    pages = page_digests.has_value() ? digest_ptr(*page_digests, num_full, "page_digests") : nullptr;
+    tails = digest_ptr(*tail_digests, static_cast<int64_t>(batch), "tail_digests");
+    TORCH_CHECK_VALUE(tail_tokens->size() == batch, "tail_tokens has ", tail_tokens->size(), " entries for ", batch,
+                      " users");
+  }
+  int64_t page_at = 0;
+  for (size_t b = 0; b < batch; ++b) {
+    HistoryRef& h = out[b];
+    h.rows = base + offsets[b] * row_bytes;
+    h.row_bytes = row_bytes;
+    h.length = offsets[b + 1] - offsets[b];
+    if (tails != nullptr) {
+      h.page_digests = pages == nullptr ? nullptr : pages + page_at;
+      h.tail_digest = tails + b;
+      h.tail_tokens = (*tail_tokens)[b];
+      page_at += h.length / page_size;
+    }
+  }
+  return out;
+}
+
+struct PoolHolder : torch::CustomClassHolder {
+  std::shared_ptr<PagePool> pool;
+  explicit PoolHolder(std::shared_ptr<PagePool> p) : pool(std::move(p)) {}
+};
+
+struct CoreHolder : torch::CustomClassHolder {
+  CacheCore core;
+  CoreHolder(int64_t num_pages, int64_t page_size) : core(num_pages, page_size) {}
+};
+
+using Core = c10::intrusive_ptr<CoreHolder>;
+using Pool = c10::intrusive_ptr<PoolHolder>;
+
+uint64_t as_seed(int64_t s) { return static_cast<uint64_t>(s); }
+
+// -------------------------------------------------------------------------- request-level ops
+// lookup -> (device_tokens [B], entry versions [B]); changes nothing.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> op_lookup(
+    const Core& self, std::vector<int64_t> users, std::vector<int64_t> offsets, const at::Tensor& tokens,
+    const std::optional<at::Tensor>& page_digests, const std::optional<at::Tensor>& tail_digests,
+    const std::optional<std::vector<int64_t>>& tail_tokens) {
+  return guarded([&] {
+    auto hs = histories(tokens, offsets, users.size(), self->core.page_size(), page_digests, tail_digests, tail_tokens);
+    std::vector<int64_t> dev(users.size()), ver(users.size());
+    for (size_t b = 0; b < users.size(); ++b) dev[b] = self->core.match(users[b], hs[b], &ver[b]);
+    return std::make_tuple(std::move(dev), std::move(ver));
+  });
+}
+
+// allocate -> (status, index or plan id, metadata buffer, info) where info is
+// [demand, evicted users, evicted pages, num_new_tokens, num_total_tokens, num_batch_pages,
+//  max_new_len, max_total_len] + keep_pages[B] + onboard_pages[B] + cached_lengths[B] + device_tokens[B].
+std::tuple<int64_t, int64_t, at::Tensor, std::vector<int64_t>> op_allocate(
+    const Core& self, std::vector<int64_t> users, std::vector<int64_t> lengths, std::vector<int64_t> device_tokens,
+    std::vector<int64_t> versions, std::vector<int64_t> host_pages) {
+  return guarded([&] {
+    AllocResult r = self->core.allocate(users, lengths, device_tokens, versions, host_pages);
+    const BatchMetadata& m = r.metadata;
+    std::vector<int64_t> info{r.demand, r.evicted.users, r.evicted.pages, m.num_new_tokens, m.num_total_tokens,
+                              m.num_batch_pages, m.max_new_len, m.max_total_len};
+    for (const auto* v : {&r.keep_pages, &r.onboard_pages, &r.cached_lengths, &r.device_tokens}) {
+      info.insert(info.end(), v->begin(), v->end());
+    }
+    const int64_t value = r.status == AllocStatus::kOk ? r.plan_id : r.index;
+    return std::make_tuple(static_cast<int64_t>(r.status), value, to_tensor(m.buffer), std::move(info));
+  });
+}
+
+void op_commit(const Core& self, int64_t plan_id, std::vector<int64_t> offsets, const at::Tensor& tokens,
+               const std::optional<at::Tensor>& page_digests, const std::optional<at::Tensor>& tail_digests,
+               const std::optional<std::vector<int64_t>>& tail_tokens) {
+  guarded([&] {
+    const size_t batch = self->core.plan_users(plan_id).size();
+    self->core.commit(plan_id, histories(tokens, offsets, batch, self->core.page_size(), page_digests, tail_digests,
+                                         tail_tokens));
+    return 0;
+  });
+}
+
+void op_abort(const Core& self, int64_t plan_id) {
+  guarded([&] {
+    self->core.abort(plan_id);
+    return 0;
+  });
+}
+
+at::Tensor op_build_metadata(const at::Tensor& kv_indices, std::vector<int64_t> num_pages,
+                             std::vector<int64_t> cached_lengths, std::vector<int64_t> total_lengths,
+                             int64_t page_size) {
+  return guarded([&] {
+    TORCH_CHECK_VALUE(kv_indices.device().is_cpu() && kv_indices.scalar_type() == at::kLong &&
+                          kv_indices.dim() == 1 && kv_indices.is_contiguous(),
+                      "kv_indices must be a contiguous 1-D int64 CPU tensor");
+    int64_t total_pages = 0;
+    for (int64_t n : num_pages) total_pages += n;
+    TORCH_CHECK_VALUE(kv_indices.numel() == total_pages, "kv_indices has ", kv_indices.numel(),
+                      " pages but the page counts sum to ", total_pages);
+    return to_tensor(
+        build_metadata(kv_indices.data_ptr<int64_t>(), num_pages, cached_lengths, total_lengths, page_size).buffer);
+  });
+}
+
+// Hash of rows [start, start + num_rows) of tokens, as [2] (low, high).
+at::Tensor op_hash_rows(const at::Tensor& tokens, int64_t start, int64_t num_rows, int64_t seed) {
+  return guarded([&] {
+    const int64_t rb = check_tokens(tokens, {0, tokens.dim() ? tokens.size(0) : 0}, 1);
+    TORCH_CHECK_VALUE(start >= 0 && num_rows >= 0 && start + num_rows <= tokens.size(0), "rows [", start, ", ",
+                      start + num_rows, ") out of range for ", tokens.size(0), " rows");
+    const auto* base = static_cast<const uint8_t*>(tokens.data_ptr()) + start * rb;
+    return digests_to_tensor({hash_bytes(base, static_cast<size_t>(num_rows * rb), as_seed(seed))});
+  });
+}
+
+std::vector<std::string> op_metadata_fields() {
+  return std::vector<std::string>(kMetadataFields, kMetadataFields + kNumMetadataFields);
+}
+
+}  // namespace
+}  // namespace gr_kv_core
+
+TORCH_LIBRARY(gr_kv_core, m) {
+  using namespace gr_kv_core;
+  m.class_<PoolHolder>("PagePool")
+      .def(torch::init([](int64_t num_pages) {
+        return guarded([&] { return c10::make_intrusive<PoolHolder>(std::make_shared<PagePool>(num_pages)); });
+      }))
+      .def("num_pages", [](const Pool& s) { return s->pool->num_pages(); })
+      .def("num_free", [](const Pool& s) { return s->pool->num_free(); })
+      .def("num_zombies", [](const Pool& s) { return s->pool->num_zombies(); })
+      .def("allocate",
+           [](const Pool& s, int64_t n) -> std::optional<std::vector<int64_t>> {
+             return guarded([&]() -> std::optional<std::vector<int64_t>> {
+               std::vector<int64_t> out;
+               if (!s->pool->allocate(n, &out)) return std::nullopt;
+               return out;
+             });
+           })
+      .def("free",
+           [](const Pool& s, std::vector<int64_t> pages) {
+             guarded([&] { return s->pool->free(pages.data(), pages.size()), 0; });
+           })
+      .def("add_readers",
+           [](const Pool& s, std::vector<int64_t> pages) {
+             guarded([&] { return s->pool->add_readers(pages.data(), pages.size()), 0; });
+           })
+      .def("remove_readers",
+           [](const Pool& s, std::vector<int64_t> pages) {
+             guarded([&] { return s->pool->remove_readers(pages.data(), pages.size()), 0; });
+           })
+      .def("is_read", [](const Pool& s, int64_t page) { return guarded([&] { return s->pool->is_read(page); }); })
+      .def("free_pages", [](const Pool& s) { return s->pool->free_pages(); })
+      .def("check", [](const Pool& s, std::vector<int64_t> owned) { return s->pool->check(owned); });
+
+  m.class_<CoreHolder>("CacheCore")
+      .def(torch::init([](int64_t num_pages, int64_t page_size) {
+        return guarded([&] { return c10::make_intrusive<CoreHolder>(num_pages, page_size); });
+      }))
+      .def("pool", [](const Core& s) { return c10::make_intrusive<PoolHolder>(s->core.shared_pool()); })
+      .def("page_size", [](const Core& s) { return s->core.page_size(); })
+      .def("num_free", [](const Core& s) { return s->core.pool().num_free(); })
+      .def("set_namespace",
+           [](const Core& s, std::string name, std::optional<int64_t> seed) {
+             return guarded([&] {
+               const uint64_t sd = seed.has_value() ? as_seed(*seed) : namespace_seed(name);
+               return static_cast<int64_t>(s->core.set_namespace(name, sd));
+             });
+           })
+      .def("fits", [](const Core& s, int64_t demand,
+                      std::vector<int64_t> exclude) { return s->core.fits(demand, exclude); })
+      .def("make_room",
+           [](const Core& s, int64_t demand, std::vector<int64_t> exclude) {
+             Evicted ev;
+             const bool ok = s->core.make_room(demand, exclude, &ev);
+             return std::vector<int64_t>{ok, ev.users, ev.pages};
+           })
+      .def("evict_blockers",
+           [](const Core& s, int64_t ns, std::vector<int64_t> users) {
+             return guarded([&] { return s->core.evict_blockers(static_cast<int32_t>(ns), users); });
+           })
+      .def("evict",
+           [](const Core& s, int64_t ns, std::vector<int64_t> users) {
+             return guarded([&] {
+               Evicted ev = s->core.evict(static_cast<int32_t>(ns), users);
+               return std::vector<int64_t>{ev.users, ev.pages};
+             });
+           })
+      .def("evict_all",
+           [](const Core& s) {
+             return guarded([&] {
+               Evicted ev = s->core.evict_all();
+               return std::vector<int64_t>{ev.users, ev.pages};
+             });
+           })
+      .def("reserve_scratch",
+           [](const Core& s, int64_t n) { return guarded([&] { return s->core.reserve_scratch(n); }); })
+      .def("add_offload",
+           [](const Core& s, int64_t ns, int64_t user) {
+             guarded([&] { return s->core.add_offload(static_cast<int32_t>(ns), user), 0; });
+           })
+      .def("offload_done",
+           [](const Core& s, int64_t ns, int64_t user) {
+             guarded([&] { return s->core.offload_done(static_cast<int32_t>(ns), user), 0; });
+           })
+      // entry -> ([num_tokens, in_plan, offloads, version], pages, page hashes [n, 2]); num_tokens -1: none
+      .def("entry",
+           [](const Core& s, int64_t ns, int64_t user) {
+             auto v = s->core.entry(static_cast<int32_t>(ns), user);
+             if (!v.exists) {
+               return std::make_tuple(std::vector<int64_t>{-1, 0, 0, -1}, to_tensor({}), digests_to_tensor({}));
+             }
+             return std::make_tuple(std::vector<int64_t>{v.num_tokens, v.in_plan, v.offloads, v.version},
+                                    to_tensor(*v.pages), digests_to_tensor(*v.page_hashes));
+           })
+      .def("cached_tokens",
+           [](const Core& s, int64_t ns, std::vector<int64_t> users) {
+             std::vector<int64_t> out;
+             for (int64_t u : users) out.push_back(s->core.entry(static_cast<int32_t>(ns), u).num_tokens);
+             return out;
+           })
+      .def("lru_order", [](const Core& s, int64_t ns) { return s->core.lru_order(static_cast<int32_t>(ns)); })
+      .def("num_entries", [](const Core& s) { return s->core.num_entries(); })
+      .def("plan_ids", [](const Core& s) { return s->core.plan_ids(); })
+      .def("check", [](const Core& s) { return s->core.check(); })
+      // NOTE: the request-level ops again as methods: from Python a method call costs about a third
+      // of a dispatcher call (the manager's request path uses these).
+      .def("lookup", op_lookup)
+      .def("allocate", op_allocate)
+      .def("commit", op_commit)
+      .def("abort", op_abort);
+
+  m.def("lookup(__torch__.torch.classes.gr_kv_core.CacheCore core, int[] users, int[] offsets, Tensor tokens, "
+        "Tensor? page_digests=None, Tensor? tail_digests=None, int[]? tail_tokens=None) -> (int[], int[])",
+        op_lookup);
+  m.def("allocate(__torch__.torch.classes.gr_kv_core.CacheCore core, int[] users, int[] lengths, "
+        "int[] device_tokens, int[] versions, int[] host_pages) -> (int, int, Tensor, int[])",
+        op_allocate);
+  m.def("commit(__torch__.torch.classes.gr_kv_core.CacheCore core, int plan_id, int[] offsets, Tensor tokens, "
+        "Tensor? page_digests=None, Tensor? tail_digests=None, int[]? tail_tokens=None) -> ()",
+        op_commit);
+  m.def("abort(__torch__.torch.classes.gr_kv_core.CacheCore core, int plan_id) -> ()", op_abort);
+  m.def("build_metadata(Tensor kv_indices, int[] num_pages, int[] cached_lengths, int[] total_lengths, "
+        "int page_size) -> Tensor",
+        op_build_metadata);
+  m.def("hash_rows(Tensor tokens, int start, int num_rows, int seed) -> Tensor", op_hash_rows);
+  m.def("namespace_seed(str name) -> int", [](std::string name) {
+    return gr_kv_core::guarded([&] { return static_cast<int64_t>(gr_kv_core::namespace_seed(name)); });
+  });
+  m.def("hashing_available() -> bool", [] { return gr_kv_core::hashing_available(); });
+  m.def("metadata_fields() -> str[]", gr_kv_core::op_metadata_fields);
+}

@@ -1,0 +1,269 @@
+// The cache policy core of gr_plugin, in plain C++17 (no torch, no Python).
+//
+// Owns the device page pool (FIFO free queue, reader counts, zombie pages), the device user
+// directory (per user: pages, cached token count, 128-bit prefix hashes; LRU order over users;
+// in-plan / in-offload pins), longest-matching-prefix lookup, eviction to make room for a batch,
+// in-flight plans, commit / abort, and the CSR metadata of a batch. It does not own K/V bytes,
+// copies, lower tiers or counters: the caller (gr_plugin/cache/manager.py, or a C++ runner) does.
+//
+// The semantics are those documented in docs/ARCHITECTURE.md ("The cache core"); the Python
+// tests in tests/cache run against this code through the torch binding (binding.cpp).
+// Errors: bad input throws std::invalid_argument naming the value, before any state changes.
+// Not thread-safe: the caller serialises access (the manager holds one lock).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace gr_kv_core {
+
+// ------------------------------------------------------------------------------------ identity
+// A 128-bit prefix hash: XXH3-128 of the raw int64 token rows of a prefix, seeded by
+// xxh3_64(namespace). Python's xxhash `intdigest()` is (high << 64) | low.
+struct Digest {
+  uint64_t low = 0;
+  uint64_t high = 0;
+};
+inline bool operator==(Digest a, Digest b) { return a.low == b.low && a.high == b.high; }
+inline bool operator!=(Digest a, Digest b) { return !(a == b); }
+
+// True when the core was built against the system's libxxhash (GR_KV_HAVE_XXHASH). Without it,
+// every hash must be computed by the caller and passed in (HistoryRef's digests).
+bool hashing_available() noexcept;
+uint64_t namespace_seed(const std::string& name);                  // XXH3_64bits(name bytes)
+Digest hash_bytes(const void* data, size_t size, uint64_t seed);   // XXH3_128bits_withSeed
+
+// Streaming XXH3-128 positioned after `num_tokens` rows; digest() equals hash_bytes of them.
+class StreamHasher {
+ public:
+  explicit StreamHasher(uint64_t seed);
+  StreamHasher(const StreamHasher& other);
+  StreamHasher& operator=(const StreamHasher&) = delete;
+  ~StreamHasher();
+  void update(const void* data, size_t size, int64_t rows);
+  Digest digest() const;
+  Digest digest_with(const void* data, size_t size) const;  // as if appended; this stays put
+  int64_t num_tokens() const { return num_tokens_; }
+
+ private:
+  void* state_ = nullptr;  // XXH3_state_t*
+  int64_t num_tokens_ = 0;
+};
+
+// ----------------------------------------------------------------------------------- page pool
+// Which device pages are free, owned, or zombies (freed while a copy still reads them; back in
+// the queue when the last reader is done). FIFO, so a freed page is reused as late as possible
+// and page ids are deterministic. Ownership by users is the directory's business.
+class PagePool {
+ public:
+  explicit PagePool(int64_t num_pages);
+  int64_t num_pages() const { return static_cast<int64_t>(state_.size()); }
+  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_zombies() const { return num_zombies_; }
+  // Appends `n` free pages in queue order to `out`; false (nothing taken) if fewer are free.
+  bool allocate(int64_t n, std::vector<int64_t>* out);
+  // Each page must be in use (allocated, not yet freed) and appear once.
+  void free(const int64_t* pages, size_t n);
+  void add_readers(const int64_t* pages, size_t n);     // pages in use; repeats count twice
+  void remove_readers(const int64_t* pages, size_t n);  // each removal needs a reader
+  bool is_read(int64_t page) const;
+  std::vector<int64_t> free_pages() const;  // in queue order
+  // "" when every page is exactly one of free / zombie / in `owned` (which lists the pages in
+  // use), else what is wrong.
+  std::string check(const std::vector<int64_t>& owned) const;
+
+ private:
+  enum State : uint8_t { kFree = 0, kUsed = 1, kZombie = 2 };
+  void check_page(int64_t page, const char* what) const;
+  std::deque<int64_t> free_;
+  std::vector<uint8_t> state_;
+  std::vector<int32_t> readers_;
+  int64_t num_zombies_ = 0;
+};
+
+// ------------------------------------------------------------------------------------ requests
+// One user's history in a request: token rows (hashed here), or the caller's digests.
+struct HistoryRef {
+  const uint8_t* rows = nullptr;  // first row of this user's history
+  int64_t row_bytes = 0;
+  int64_t length = 0;             // rows in the history
+  // Caller digests (used when set, required when hashing is unavailable): the prefix hash at
+  // each full page (length / page_size of them), and the hash of the first `tail_tokens` rows.
+  const Digest* page_digests = nullptr;
+  const Digest* tail_digest = nullptr;
+  int64_t tail_tokens = -1;
+  bool has_caller_digests() const { return page_digests != nullptr || tail_digest != nullptr; }
+};
+
+struct Evicted {
+  int64_t users = 0;
+  int64_t pages = 0;
+};
+
+// One batch's CSR metadata: int64 fields packed in one buffer, in kMetadataFields order
+// (lengths in terms of B users, M pages, N new tokens).
+struct BatchMetadata {
+  std::vector<int64_t> buffer;
+  int64_t batch_size = 0, num_new_tokens = 0, num_total_tokens = 0, num_batch_pages = 0;
+  int64_t max_new_len = 0, max_total_len = 0;
+};
+constexpr int kNumMetadataFields = 10;
+extern const char* const kMetadataFields[kNumMetadataFields];  // "kv_indptr", ...
+// `kv_indices` holds the pages of every user (num_pages[b] each, ceil(total[b] / page_size)).
+BatchMetadata build_metadata(const int64_t* kv_indices, const std::vector<int64_t>& num_pages,
+                             const std::vector<int64_t>& cached_lengths,
+                             const std::vector<int64_t>& total_lengths, int64_t page_size);
+
+enum class AllocStatus : int64_t {
+  kOk = 0,        // plan created; `plan_id` names it
+  kInFlight = 1,  // user `index` is already in an in-flight plan; nothing changed
+  kChanged = 2,   // a user's entry changed since the lookup (versions differ): look up again
+  kNoFit = 3,     // even evicting every evictable user leaves too few pages; nothing changed
+  kTooBig = 4,    // the batch needs more pages than the cache has; nothing changed
+};
+
+struct AllocResult {
+  AllocStatus status = AllocStatus::kOk;
+  int64_t index = -1;    // kInFlight: the batch index of the user
+  int64_t plan_id = -1;  // kOk
+  int64_t demand = 0;    // fresh pages the batch needs
+  Evicted evicted;
+  // per user (kOk): whole pages kept from the device entry, pages to onboard from the host
+  // tier after them, tokens reused in total and from the device alone
+  std::vector<int64_t> keep_pages, onboard_pages, cached_lengths, device_tokens;
+  BatchMetadata metadata;
+};
+
+// ------------------------------------------------------------------------------------ the core
+// Device user directory + page pool + in-flight plans. Users are keyed by (namespace id, user id);
+// namespace ids come from set_namespace. Verbs without a namespace act on the current one.
+class CacheCore {
+ public:
+  CacheCore(int64_t num_pages, int64_t page_size);
+  ~CacheCore();
+  CacheCore(const CacheCore&) = delete;
+  CacheCore& operator=(const CacheCore&) = delete;
+
+  int64_t page_size() const { return page_size_; }
+  PagePool& pool() { return *pool_; }
+  const std::shared_ptr<PagePool>& shared_pool() const { return pool_; }
+
+  // Makes `name` current (seeded by `seed`, normally namespace_seed(name)); returns its id.
+  int32_t set_namespace(const std::string& name, uint64_t seed);
+  int32_t current_namespace() const { return ns_; }
+
+  // Device tokens reusable for `user` (current namespace) and the entry's version (-1: none).
+  // Reuses the entry's partial last page only when the whole entry matches; otherwise whole
+  // pages, by bisection over prefix hashes. Changes nothing.
+  int64_t match(int64_t user, const HistoryRef& history, int64_t* version) const;
+
+  // Reserve pages for a batch (current namespace) from a lookup's per-user device tokens and
+  // versions and the host tier's reusable whole pages; evicts LRU users (never the batch's,
+  // never pinned ones) only once the batch is known to fit.
+  AllocResult allocate(const std::vector<int64_t>& users, const std::vector<int64_t>& lengths,
+                       const std::vector<int64_t>& device_tokens, const std::vector<int64_t>& versions,
+                       const std::vector<int64_t>& host_pages);
+  // Publish plan `plan_id`: each user's entry becomes its history (histories in plan order).
+  void commit(int64_t plan_id, const std::vector<HistoryRef>& histories);
+  // Roll plan `plan_id` back: its fresh pages are freed, entries are as before allocate.
+  void abort(int64_t plan_id);
+  std::vector<int64_t> plan_ids() const;
+  const std::vector<int64_t>& plan_users(int64_t plan_id) const;
+
+  // Room: whether `demand` free pages can be had without evicting `exclude` (current namespace),
+  // and making that room (false, nothing changed, when it cannot).
+  bool fits(int64_t demand, const std::vector<int64_t>& exclude) const;
+  bool make_room(int64_t demand, const std::vector<int64_t>& exclude, Evicted* evicted);
+
+  // Eviction. evict_blockers throws (nothing changed) if a user is in an in-flight plan and
+  // returns whether one has pages being offloaded; evict drops the users' entries.
+  bool evict_blockers(int32_t ns, const std::vector<int64_t>& users) const;
+  Evicted evict(int32_t ns, const std::vector<int64_t>& users);
+  Evicted evict_all();  // refused while a plan is in flight
+  // Takes `n` free pages out of circulation for good (make_room first).
+  std::vector<int64_t> reserve_scratch(int64_t n);
+
+  // Pins of in-flight copies that read a user's pages (never evicted while > 0).
+  void add_offload(int32_t ns, int64_t user);
+  void offload_done(int32_t ns, int64_t user);  // no-op when the entry is gone
+
+  // Introspection.
+  struct EntryView {
+    bool exists = false;
+    int64_t num_tokens = 0;
+    bool in_plan = false;
+    int64_t offloads = 0;
+    int64_t version = -1;
+    const std::vector<int64_t>* pages = nullptr;
+    const std::vector<Digest>* page_hashes = nullptr;
+  };
+  EntryView entry(int32_t ns, int64_t user) const;
+  std::vector<int64_t> lru_order(int32_t ns) const;  // least recently used first
+  int64_t num_entries() const { return static_cast<int64_t>(index_.size()); }
+  int64_t num_plans() const { return static_cast<int64_t>(plans_.size()); }
+  // "" when the accounting invariants hold (every page free, zombie, owned by one user, fresh in
+  // one plan or scratch; in-plan marks agree with plans; hash counts match), else what is wrong.
+  std::string check() const;
+
+ private:
+  struct Key {
+    int32_t ns;
+    int64_t user;
+    bool operator==(const Key& o) const { return ns == o.ns && user == o.user; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const noexcept {
+      return std::hash<int64_t>()(k.user) * 31u + static_cast<size_t>(k.ns);
+    }
+  };
+  struct Entry {
+    Key key;
+    std::vector<int64_t> pages;
+    int64_t num_tokens = 0;
+    std::vector<Digest> page_hashes;  // prefix hash at each full page
+    Digest digest;                    // hash of all num_tokens rows
+    std::unique_ptr<StreamHasher> hasher;  // positioned at the last full page (may be null)
+    bool in_plan = false;
+    int64_t offloads = 0;
+    int64_t version = 0;
+    bool evictable() const { return !in_plan && offloads == 0; }
+  };
+  struct Plan {
+    int32_t ns;
+    uint64_t seed;
+    std::vector<int64_t> users, totals, keep, device_tokens;
+    std::vector<int64_t> kv_indices, kv_indptr;  // each user's pages after the step
+    std::vector<int64_t> fresh, fresh_indptr;    // pages allocated by this plan
+  };
+  using LruList = std::list<Entry>;
+
+  Entry* find(Key key);
+  const Entry* find(Key key) const;
+  void drop(LruList::iterator it, Evicted* evicted);
+  int64_t evictable_pages(const std::vector<int64_t>& exclude) const;
+  Digest prefix_digest(const HistoryRef& h, int64_t num_tokens, uint64_t seed) const;
+  int64_t longest_matching_pages(const std::vector<Digest>& stored, const HistoryRef& h, uint64_t seed) const;
+  void check_user_ids(const std::vector<int64_t>& users, const char* what) const;
+  const Plan& plan(int64_t plan_id) const;
+  int64_t tick() { return ++clock_; }
+
+  int64_t page_size_;
+  std::shared_ptr<PagePool> pool_;
+  LruList lru_;  // least recently used first
+  std::unordered_map<Key, LruList::iterator, KeyHash> index_;
+  std::unordered_map<int64_t, Plan> plans_;
+  std::vector<int64_t> scratch_;
+  std::vector<std::string> ns_names_;
+  std::vector<uint64_t> ns_seeds_;
+  int32_t ns_ = -1;
+  int64_t clock_ = 0;
+  int64_t next_plan_id_ = 0;
+};
+
+}  // namespace gr_kv_core
