@@ -16,6 +16,7 @@ import torch
 from gr_plugin.data import RequestBatch
 from gr_plugin.inference.inputs import batch_cache_keys, batch_to_kjts, host_batch
 from gr_plugin.modules import HSTURanker, KVCacheModule
+from gr_plugin.modules.tokens import build_token_layout
 
 logger = logging.getLogger(__name__)
 
@@ -46,28 +47,38 @@ class RankingEngine:
 
     @torch.no_grad()
     def score(self, batch: RequestBatch) -> StepResult:
+        # NOTE: everything up to the layers runs on the host copy: the token layout is built there
+        # (small int tensors) and reaches the device in one pinned, non-blocking copy, so a step
+        # neither moves the whole history to the device nor waits on it.
         host = host_batch(batch)
+        history, candidates = batch_to_kjts(host)
         if self.validate:
-            self.model.validate(*batch_to_kjts(host))
-        total = int(host.history_lengths.sum())
+            self.model.validate(history, candidates)
         lookup = None
         if self.cache is not None:
-            # NOTE: lookup first: lower-tier reads it starts overlap the transfer and KJT building.
             lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
-        dev = batch.to(self.device)
-        history, candidates = batch_to_kjts(dev)
+        total = int(host.history_lengths.sum())
         cand = host.candidate_lengths
-        sizes = (total + int(cand.sum()), int((host.history_lengths + cand).max()), int(cand.sum()))
-        if self.cache is None:
-            return StepResult(self.model(history, candidates, *sizes), computed_tokens=total)
-        plan = self.cache.begin(lookup)
-        if plan is None:
+        num_cand, max_cand = int(cand.sum()), int(cand.max())
+        max_positions = self.model.config.max_positions
+        if self.cache is not None:
+            plan = self.cache.begin(lookup)
+            if plan is not None:
+                return self._cached(history, candidates, plan, num_cand, max_cand)
             logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
-            return StepResult(self.model(history, candidates, *sizes), computed_tokens=total, fell_back=True)
+        layout = build_token_layout(history, candidates, None, max_positions, total + num_cand,
+                                    int((host.history_lengths + cand).max()), num_cand).to(self.device)
+        return StepResult(self.model.forward_layout(layout), computed_tokens=total, fell_back=self.cache is not None)
+
+    def _cached(self, history, candidates, plan, num_cand: int, max_cand: int) -> StepResult:
         try:
-            logits = self.model.forward_cached(history, candidates, self.cache, plan,
-                                               num_candidates=int(cand.sum()), max_candidates=int(cand.max()),
-                                               graphs=self.graphs)
+            meta = plan.metadata
+            cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
+            layout = build_token_layout(history, candidates, cached, self.model.config.max_positions,
+                                        meta.num_new_tokens + num_cand, meta.max_new_len + max_cand,
+                                        num_cand).to(self.device)
+            logits = self.model.forward_cached(history, candidates, self.cache, plan, graphs=self.graphs,
+                                               layout=layout)
         except BaseException:
             self.cache.abort(plan)
             raise

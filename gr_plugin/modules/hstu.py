@@ -129,6 +129,16 @@ class HSTURanker(nn.Module):
         self.head = nn.Linear(d, config.num_tasks, device=device)
 
     def _embed(self, layout: TokenLayout) -> torch.Tensor:
+        if type(self.embeddings) is EmbeddingCollection:
+            # NOTE: unsharded tables: the same rows, summed in the same order, by direct lookups on
+            # the key-major values (each key has num_query_tokens ids): no per-key KJT split, which
+            # costs more host time than the four gathers it feeds. Sharded modules go through torchrec.
+            ids = layout.features.values().view(len(EMBEDDING_KEYS), -1)
+            tables = self.embeddings.embeddings
+            x = F.embedding(ids[0], tables[EMBEDDING_KEYS[0]].weight)
+            for i, key in enumerate(EMBEDDING_KEYS[1:], 1):
+                x = x + F.embedding(ids[i], tables[key].weight)
+            return x.to(self.output_norm.weight.dtype)
         out = self.embeddings(layout.features)
         x = out[EMBEDDING_KEYS[0]].values()
         for key in EMBEDDING_KEYS[1:]:
@@ -146,6 +156,11 @@ class HSTURanker(nn.Module):
         check_inputs(history, candidates)
         layout = build_token_layout(history, candidates, None, self.config.max_positions, num_query_tokens,
                                     max_seq_len, num_candidates)
+        return self.forward_layout(layout)
+
+    def forward_layout(self, layout: TokenLayout) -> torch.Tensor:
+        """The full pass over a layout the caller built (``cached_lengths=None``), e.g. on the host
+        and moved with `TokenLayout.to`."""
         x = self._embed(layout)
         for layer in self.layers:
             x = layer(x, layout)
@@ -153,21 +168,23 @@ class HSTURanker(nn.Module):
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
-                       max_candidates: int | None = None, graphs=None) -> torch.Tensor:
+                       max_candidates: int | None = None, graphs=None,
+                       layout: TokenLayout | None = None) -> torch.Tensor:
         """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
         read from the cache's pages; the rest are computed and appended. Same logits as
         ``forward`` (to float rounding). ``num_candidates``/``max_candidates`` (host ints)
-        avoid device syncs."""
+        avoid device syncs; a ``layout`` the caller built for this plan is used as is."""
         check_inputs(history, candidates)
         meta = plan.metadata
         if meta.batch_size != history.stride():
             raise ValueError(f"plan is for {meta.batch_size} users, the request has {history.stride()}")
-        layout = build_token_layout(
-            history, candidates, meta.cached_lengths, self.config.max_positions,
-            None if num_candidates is None else meta.num_new_tokens + num_candidates,
-            None if max_candidates is None else meta.max_new_len + max_candidates,
-            num_candidates,
-        )
+        if layout is None:
+            layout = build_token_layout(
+                history, candidates, meta.cached_lengths, self.config.max_positions,
+                None if num_candidates is None else meta.num_new_tokens + num_candidates,
+                None if max_candidates is None else meta.max_new_len + max_candidates,
+                num_candidates,
+            )
         x = self._embed(layout)
         y = graphs.run(x, layout, plan) if graphs is not None else None  # CUDA graphs (CachedStackGraphs)
         if y is None:

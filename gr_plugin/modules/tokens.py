@@ -66,6 +66,31 @@ class TokenLayout:
     candidate_rows: torch.Tensor
     new_rows: torch.Tensor
 
+    def to(self, device: torch.device | str) -> TokenLayout:
+        """This layout on ``device``: every index tensor in one pinned host buffer and one
+        non-blocking copy (no device sync, one transfer instead of nine). A no-op on the same device."""
+        device = torch.device(device)
+        src = self.features.values()
+        if src.device == device or (device.type == src.device.type and device.index is None):
+            return self
+        parts = [src, self.features.lengths(), self.q_offsets, self.history_lengths, self.new_lengths,
+                 self.candidate_lengths, self.candidate_rows, self.new_rows]
+        sizes = [t.numel() for t in parts]
+        buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+        torch.cat([t.to(torch.int64) for t in parts], out=buf)
+        (values, lengths, q_off, hist, new, cand, cand_rows, new_rows) = buf.to(device, non_blocking=True).split(sizes)
+        return dataclasses.replace(self, features=_features(values, lengths, self.num_query_tokens), q_offsets=q_off,
+                                   history_lengths=hist, new_lengths=new, candidate_lengths=cand,
+                                   candidate_rows=cand_rows, new_rows=new_rows)
+
+
+def _features(values: torch.Tensor, lengths: torch.Tensor, n: int) -> KeyedJaggedTensor:
+    """The query tokens' KJT; each key has ``n`` values, given as host ints so torchrec never syncs."""
+    k = len(EMBEDDING_KEYS)
+    return KeyedJaggedTensor(keys=list(EMBEDDING_KEYS), values=values, lengths=lengths,
+                             stride=lengths.numel() // k, length_per_key=[n] * k,
+                             offset_per_key=[i * n for i in range(k + 1)])
+
 
 def check_inputs(history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
     """Keys and per-key lengths of the two KJTs (host-side checks only)."""
@@ -126,11 +151,7 @@ def build_token_layout(
     action = torch.where(is_hist, pick(hist_vals[1]), zero)
     time = torch.where(is_hist, pick(hist_vals[2]), zero)
     position = torch.where(is_hist, cached[batch] + local, hist_len[batch]).clamp(max=max_positions - 1)
-    features = KeyedJaggedTensor(
-        keys=list(EMBEDDING_KEYS),
-        values=torch.cat([item, action, time, position]),
-        lengths=q_len.repeat(len(EMBEDDING_KEYS)),
-    )
+    features = _features(torch.cat([item, action, time, position]), q_len.repeat(len(EMBEDDING_KEYS)), n)
     if num_candidates is None:  # host sync (boolean masks); fine on the CPU and in training
         rows = torch.arange(n, device=device)
         candidate_rows, new_rows = rows[~is_hist], rows[is_hist]

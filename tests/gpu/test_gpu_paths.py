@@ -124,3 +124,25 @@ def test_cuda_graphs_replay_the_eager_cached_step():
     # 80 and 32 new events round to one padded bucket: captured once, replayed for every visit
     assert graphs.captures == 1 and graphs.replays == 4
     cache.manager.check()  # the scratch page is accounted for
+
+
+def test_host_built_layout_moved_in_one_copy_equals_the_device_built_one():
+    from gr_plugin.modules.tokens import build_token_layout
+    from tests.modules.helpers import User, make_inputs
+
+    g = torch.Generator().manual_seed(5)
+    users = [User(u, g) for u in range(3)]
+    for u in users:
+        u.grow(10 + 5 * u.uid)
+    history, candidates, _, _ = make_inputs(users, [u.candidates(3 + u.uid) for u in users])
+    cached = torch.tensor([4, 0, 12])
+    host = build_token_layout(history, candidates, cached, 64, None, None, 12)
+    moved = host.to("cuda")
+    on_device = build_token_layout(history.to("cuda"), candidates.to("cuda"), cached.cuda(), 64,
+                                   host.num_query_tokens, host.max_q_len, 12)
+    for name in ("q_offsets", "history_lengths", "new_lengths", "candidate_lengths", "candidate_rows", "new_rows"):
+        assert getattr(moved, name).is_cuda
+        assert torch.equal(getattr(moved, name), getattr(on_device, name)), name
+    assert torch.equal(moved.features.values(), on_device.features.values())
+    assert torch.equal(moved.features.lengths(), on_device.features.lengths())
+    assert moved.features.length_per_key() == on_device.features.length_per_key()

@@ -96,3 +96,20 @@ def test_plan_for_another_batch_is_rejected():
         model.forward_cached(h2, c2, cache, plan)
     cache.abort(plan)
     cache.manager.check()
+
+
+def test_direct_embedding_lookup_equals_torchrec_collection():
+    from gr_plugin.modules.tokens import EMBEDDING_KEYS, build_token_layout
+
+    model = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    users = [User(0, g), User(1, g)]
+    users[0].grow(6)
+    users[1].grow(3)
+    history, candidates, _, _ = make_inputs(users, [users[0].candidates(2), users[1].candidates(4)])
+    layout = build_token_layout(history, candidates, torch.tensor([2, 0]), model.config.max_positions)
+    out = model.embeddings(layout.features)  # torchrec's own forward
+    expected = sum(out[k].values() for k in EMBEDDING_KEYS)
+    torch.testing.assert_close(model._embed(layout), expected, rtol=0, atol=0)
+    assert layout.features.length_per_key() == [layout.num_query_tokens] * len(EMBEDDING_KEYS)
+    assert layout.to("cpu") is layout
