@@ -16,6 +16,10 @@ in-flight copies. The verbs, in the order a serving step calls them:
 Invariants (``check()``): every device page is free, a zombie awaiting an in-flight reader, owned
 by exactly one user, or reserved by exactly one in-flight plan; users in an in-flight plan or with
 pages being read are never evicted; a user's pages are published only by `commit`.
+
+The device policy (page pool, user directory, LRU, prefix matching, eviction, plans, metadata) is
+the C++ core (``gr_plugin/csrc/core``, ``torch.classes.gr_kv_core.CacheCore``); this class keeps
+what touches Python objects: the lower tiers, the copies, counters and the lock.
 Thread-safe: one re-entrant lock guards all state; copies run on the transfer engine.
 This module does not compute K/V or attention and does not know what a token means.
 """
@@ -23,12 +27,10 @@ This module does not compute K/V or attention and does not know what a token mea
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
-from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,9 +38,9 @@ import torch
 from gr_plugin.cache import paged_ops
 from gr_plugin.cache.backend import KVBackend
 from gr_plugin.cache.config import KVCacheConfig
-from gr_plugin.cache.hashing import StreamHasher, longest_matching_prefix, namespace_seed, prefix_hash
-from gr_plugin.cache.metadata import build_metadata
-from gr_plugin.cache.page_pool import PagePool
+from gr_plugin.cache.hashing import as_int64, from_pairs, namespace_seed, page_digests, prefix_hash, to_pairs
+from gr_plugin.cache.metadata import metadata_from_host
+from gr_plugin.cache.page_pool import PagePool, load_core
 from gr_plugin.cache.plan import BatchPlan, Key, LookupResult
 from gr_plugin.cache.request import CacheRequest
 from gr_plugin.cache.stats import KVCacheStats
@@ -63,20 +65,57 @@ class UserInFlightError(RuntimeError):
     """A user is already part of a step that has not been committed or aborted."""
 
 
-@dataclasses.dataclass
+# Statuses of CacheCore.allocate (kv_core.h AllocStatus).
+_OK, _IN_FLIGHT, _CHANGED, _NO_FIT, _TOO_BIG = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
 class _DeviceEntry:
-    pages: array = dataclasses.field(default_factory=lambda: array("q"))
-    num_tokens: int = 0
-    page_hashes: list[int] = dataclasses.field(default_factory=list)
-    digest: int = 0
-    hasher: StreamHasher | None = None
-    in_plan: bool = False
-    offloads: int = 0
-    version: int = 0
+    """A snapshot of one user's device entry in the core (introspection and tests only)."""
+
+    num_tokens: int
+    in_plan: bool
+    offloads: int
+    version: int
+    pages: list[int]
+    page_hashes: list[int]
 
     @property
     def evictable(self) -> bool:
         return not self.in_plan and self.offloads == 0
+
+
+class _Entries:
+    """Read-only mapping ``(namespace, user) -> _DeviceEntry`` over the core's directory."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._m = manager
+
+    def get(self, key: Key, default: _DeviceEntry | None = None) -> _DeviceEntry | None:
+        m = self._m
+        ns = m._ns_ids.get(key[0])
+        if ns is None:
+            return default
+        info, pages, hashes = m._core.entry(ns, key[1])
+        if info[0] < 0:
+            return default
+        return _DeviceEntry(info[0], bool(info[1]), info[2], info[3], pages.tolist(), from_pairs(hashes))
+
+    def __getitem__(self, key: Key) -> _DeviceEntry:
+        entry = self.get(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and self.get(key) is not None
+
+    def __len__(self) -> int:
+        return self._m._core.num_entries()
+
+    def __iter__(self) -> Iterator[Key]:
+        m = self._m
+        return iter([(name, u) for name, ns in m._ns_ids.items() for u in m._core.lru_order(ns)])
 
 
 @dataclasses.dataclass
@@ -116,14 +155,17 @@ class KVCacheManager:
         self.append_fn: AppendFn = append_fn or paged_ops.append_kv
         self.write_through = write_through and backend is not None
         self._lock = threading.RLock()
-        self._pool = PagePool(config.num_pages)
-        self._entries: OrderedDict[Key, _DeviceEntry] = OrderedDict()
+        load_core()
+        self._core = torch.classes.gr_kv_core.CacheCore(config.num_pages, config.page_size)
+        self._pool = PagePool.wrap(self._core.pool())
+        # NOTE: without libxxhash in the core, digests are computed here (python-xxhash, the same
+        # function) and passed in; tests set this to exercise that path too.
+        self._caller_digests = not torch.ops.gr_kv_core.hashing_available()
+        self._ns_ids: dict[str, int] = {}
+        self._entries = _Entries(self)
         self._plans: dict[int, BatchPlan] = {}
         self._jobs: deque[_CopyJob] = deque()
-        self._plan_ids = itertools.count()
-        self._clock = 0
         self._stats = KVCacheStats()
-        self._scratch: list[int] = []
         self.set_namespace(config.namespace)
 
     def rebind(self, kv_table: torch.Tensor) -> None:
@@ -151,8 +193,7 @@ class KVCacheManager:
             self.config = new_cfg
             self.device = kv_table.device
             if recast:
-                for key in list(self._entries):
-                    self._drop(key, self._entries[key])
+                self._count_evicted(self._core.evict_all())
             if self.backend is not None and (recast or moved):
                 if recast:
                     self.backend.clear()
@@ -169,34 +210,38 @@ class KVCacheManager:
         with self._lock:
             self.namespace = namespace
             self._seed = namespace_seed(namespace)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+            self._ns_id = self._ns_ids[namespace] = self._core.set_namespace(namespace, as_int64(self._seed))
 
     # ------------------------------------------------------------------ lookup
-    def _match(self, key: Key, req: CacheRequest, b: int) -> tuple[int, dict[str, int], tuple[int, int]]:
-        """(device tokens, tier pages, versions) for user ``b`` of ``req``."""
+    def _digests(self, req: CacheRequest, tail_tokens: list[int], seed: int) -> tuple:
+        """Caller digests for the core (when it cannot hash): every full page of every history,
+        and each history's first ``tail_tokens[b]`` rows (-1: none)."""
+        P, tokens = self.config.page_size, req.tokens
+        pages, tails = [], []
+        for b, n in enumerate(tail_tokens):
+            start, length = req.history_offsets[b], req.history_lengths[b]
+            pages.extend(page_digests(tokens, start, length, P, seed))
+            tails.append(prefix_hash(tokens, start, n, seed) if n >= 0 else 0)
+        return to_pairs(pages), to_pairs(tails), tail_tokens
+
+    def _device_match(self, req: CacheRequest) -> tuple[list[int], list[int]]:
+        """(device tokens, entry versions) per user, from the core (one call for the batch)."""
+        if self._caller_digests:
+            cached = self._core.cached_tokens(self._ns_id, req.user_ids)
+            tails = [n if 0 < n <= length else -1 for n, length in zip(cached, req.history_lengths)]
+            digests = self._digests(req, tails, self._seed)
+            return self._core.lookup(req.user_ids, req.history_offsets, req.tokens, *digests)
+        return self._core.lookup(req.user_ids, req.history_offsets, req.tokens, None, None, None)
+
+    def _match_tiers(self, key: Key, req: CacheRequest, b: int, dev: int) -> tuple[dict[str, int], int]:
+        """(tier pages, backend version) for user ``b`` of ``req`` with ``dev`` device tokens."""
         P = self.config.page_size
-        start, length, tokens = req.history_offsets[b], req.history_lengths[b], req.tokens
-        entry = self._entries.get(key)
-        dev = 0
-        if entry is not None and entry.num_tokens:
-            n = entry.num_tokens
-            # NOTE: only the entry's own partial tail may be reused mid-page; a shorter or edited
-            # history reuses whole pages, so a page that may be in flight to a lower tier is
-            # never appended to.
-            if length >= n and prefix_hash(tokens, start, n, self._seed) == entry.digest:
-                dev = n
-            else:
-                dev = longest_matching_prefix(entry.page_hashes, tokens, start, length, P, self._seed) * P
+        start, length = req.history_offsets[b], req.history_lengths[b]
+        bver = self.backend.version(key)
         tiers: dict[str, int] = {}
-        bver = -1
-        if self.backend is not None:
-            bver = self.backend.version(key)
-            if bver != -1 and length // P > dev // P:
-                tiers = self.backend.match(key, tokens, start, length, self._seed, min_pages=dev // P)
-        return dev, tiers, (-1 if entry is None else entry.version, bver)
+        if bver != -1 and length // P > dev // P:
+            tiers = self.backend.match(key, req.tokens, start, length, self._seed, min_pages=dev // P)
+        return tiers, bver
 
     def lookup(self, request: CacheRequest) -> LookupResult:
         """Reusable history tokens per user and tier. Changes no state (not even LRU order)."""
@@ -206,13 +251,13 @@ class KVCacheManager:
             ns = self.namespace
             keys = [(ns, u) for u in request.user_ids]
             names = self.backend.tier_names if self.backend is not None else ()
-            dev_tokens, versions = [], []
+            dev_tokens, entry_versions = self._device_match(request)
             tier_pages: dict[str, list[int]] = {t: [] for t in names}
             fetch = []
-            for b, key in enumerate(keys):
-                dev, tiers, ver = self._match(key, request, b)
-                dev_tokens.append(dev)
-                versions.append(ver)
+            versions = [(v, -1) for v in entry_versions] if self.backend is None else []
+            for b, key in enumerate(keys if self.backend is not None else ()):
+                tiers, bver = self._match_tiers(key, request, b, dev_tokens[b])
+                versions.append((entry_versions[b], bver))
                 for t in names:
                     tier_pages[t].append(tiers.get(t, 0))
                 if tiers and max(tiers.values()) > tiers.get(names[0], 0):
@@ -231,31 +276,21 @@ class KVCacheManager:
         return LookupResult(request, ns, keys, dev_tokens, tier_tokens, cached, tier_pages, versions, task)
 
     # ------------------------------------------------------------------ allocate
-    def _evictable_pages(self, exclude: set[Key]) -> int:
-        return sum(len(e.pages) for k, e in self._entries.items() if e.evictable and k not in exclude)
+    def _count_evicted(self, evicted: Sequence[int]) -> None:
+        self._stats.evicted_users += evicted[0]
+        self._stats.evicted_pages += evicted[1]
 
-    def _make_room(self, demand: int, exclude: set[Key]) -> bool:
-        if self._pool.num_free >= demand:
-            return True
-        if self._pool.num_free + self._evictable_pages(exclude) < demand:
+    def _make_room(self, demand: int, exclude: list[int]) -> bool:
+        """Free ``demand`` pages, evicting LRU users but not ``exclude`` (current namespace);
+        reaps, then drains, finished copies first when that is the only way."""
+        ok, users, pages = self._core.make_room(demand, exclude)
+        if not ok:
             self._reap()
-            if self._pool.num_free + self._evictable_pages(exclude) < demand and self._jobs:
+            if not self._core.fits(demand, exclude) and self._jobs:
                 self._drain()
-            if self._pool.num_free + self._evictable_pages(exclude) < demand:
-                return False
-        for key in list(self._entries):
-            if self._pool.num_free >= demand:
-                break
-            entry = self._entries[key]
-            if entry.evictable and key not in exclude:
-                self._drop(key, entry)
-        return True
-
-    def _drop(self, key: Key, entry: _DeviceEntry) -> None:
-        self._stats.evicted_users += 1
-        self._stats.evicted_pages += len(entry.pages)
-        self._pool.free(entry.pages)
-        del self._entries[key]
+            ok, users, pages = self._core.make_room(demand, exclude)
+        self._count_evicted((users, pages))
+        return bool(ok)
 
     def allocate(self, lookup: LookupResult) -> BatchPlan | None:
         """Reserve pages for ``lookup``'s request and build its metadata.
@@ -266,78 +301,71 @@ class KVCacheManager:
         """
         if not isinstance(lookup, LookupResult):
             raise ValueError(f"allocate expects a LookupResult, got {type(lookup).__name__}")
-        P = self.config.page_size
         req = lookup.request
-        totals = req.history_lengths
+        users, totals = req.user_ids, req.history_lengths
         with self._lock:
             if lookup.namespace != self.namespace:
                 lookup = self.lookup(req)
-            keys, entries, backend = lookup.keys, self._entries, self.backend
+            keys, backend, core = lookup.keys, self.backend, self._core
             if lookup.prefetch_task is not None:
                 state = backend.wait(lookup.prefetch_task)
                 lookup.prefetch_task = None
                 if state != "ready" and not backend.fail_open:
                     raise TierReadError(f"lower-tier read for users {[k[1] for k in keys]} ended {state!r}")
-            host_seen = lookup.tier_pages[backend.tier_names[0]] if backend is not None else None
-            # Pass 1 decides, changing nothing (so a refusal leaves the cache as it was).
-            keep, onboard, fresh_counts, cached, device_tokens = [], [], [], [], []
-            for b, key in enumerate(keys):
-                entry = entries.get(key)
-                if entry is not None and entry.in_plan:
-                    raise UserInFlightError(f"user {key[1]} is already in an in-flight step")
-                ver = (-1 if entry is None else entry.version,
-                       -1 if backend is None else backend.version(key))
-                if ver == lookup.versions[b]:
-                    d, hp = lookup.device_tokens[b], host_seen[b] if backend is not None else 0
-                else:
-                    # NOTE: another step changed this user since the lookup; match again.
-                    d, tiers, _ = self._match(key, req, b)
-                    hp = tiers.get(backend.tier_names[0], 0) if backend is not None else 0
-                if hp * P > d:  # onboard host pages [d // P, hp); a device partial tail is dropped
-                    k, o, c, dv = d // P, hp - d // P, hp * P, (d // P) * P
-                else:
-                    k, o, c, dv = -(-d // P), 0, d, d
-                keep.append(k)
-                onboard.append(o)
-                cached.append(c)
-                device_tokens.append(dv)
-                fresh_counts.append(-(-totals[b] // P) - k)
-            demand = sum(fresh_counts)
-            if demand > self.config.num_pages or not self._make_room(demand, set(keys)):
+            dev = lookup.device_tokens
+            seen = [v[0] for v in lookup.versions]
+            host_pages = [0] * len(keys)
+            if backend is not None:
+                host_pages = list(lookup.tier_pages[backend.tier_names[0]])
+                # NOTE: another step changed this user's host pages since the lookup; match again.
+                for b, key in enumerate(keys):
+                    if backend.version(key) != lookup.versions[b][1]:
+                        host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
+            # The core decides (changing nothing on a refusal), evicts and reserves in one call.
+            args = (users, totals, dev, seen, host_pages)
+            status, value, buffer, info = core.allocate(*args)
+            if status == _CHANGED:
+                # NOTE: another step changed a user's device entry since the lookup; match again.
+                dev, now = self._device_match(req)
+                for b, key in enumerate(keys):
+                    if backend is not None and now[b] != seen[b]:
+                        host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
+                args = (users, totals, dev, now, host_pages)
+                status, value, buffer, info = core.allocate(*args)
+            if status == _NO_FIT:
+                # NOTE: finished copies may unpin users: reap them, drain if that is not enough.
+                self._reap()
+                if not core.fits(info[0], users) and self._jobs:
+                    self._drain()
+                status, value, buffer, info = core.allocate(*args)
+            if status == _IN_FLIGHT:
+                raise UserInFlightError(f"user {users[value]} is already in an in-flight step")
+            if status != _OK:
                 self._stats.alloc_failures += 1
-                logger.debug("allocate: %d pages needed, cannot fit", demand)
+                logger.debug("allocate: %d pages needed, cannot fit", info[0])
                 return None
-
-            # Pass 2 commits to the decisions.
-            fresh_all = self._pool.allocate(demand)
-            assert fresh_all is not None
+            B = len(keys)
+            demand, ev_users, ev_pages, n_new, n_total, n_pages, max_new, max_total = info[:8]
+            keep, onboard = info[8 : 8 + B], info[8 + B : 8 + 2 * B]
+            cached, device_tokens = info[8 + 2 * B : 8 + 3 * B], info[8 + 3 * B : 8 + 4 * B]
+            self._count_evicted((ev_users, ev_pages))
             self._stats.pages_allocated += demand
-            page_lists, fresh, onboard_src = [], [], []
-            pos = 0
+            onboard_src = []
             for b, key in enumerate(keys):
-                entry = entries.get(key)
-                if entry is None:
-                    entry = entries[key] = _DeviceEntry(version=self._tick())
-                else:
-                    entries.move_to_end(key)
-                entry.in_plan = True
-                mine = fresh_all[pos : pos + fresh_counts[b]]
-                pos += fresh_counts[b]
-                pages = entry.pages[: keep[b]]
-                pages.extend(mine)
-                page_lists.append(pages)
-                fresh.append(mine)
                 if onboard[b]:
                     slots = backend.acquire(key, keep[b], onboard[b])
                     assert slots is not None, f"host pages of {key} vanished under the lock"
                     onboard_src.append((b, keep[b], slots))
-            meta = build_metadata(page_lists, cached, totals, P, self.device)
+            meta = metadata_from_host(
+                buffer, page_size=self.config.page_size, batch_size=B, num_new_tokens=n_new,
+                num_total_tokens=n_total, num_batch_pages=n_pages, max_new_len=max_new, max_total_len=max_total,
+                device=self.device,
+            )
             plan = BatchPlan(
-                plan_id=next(self._plan_ids), request=req, keys=keys, metadata=meta,
-                device_tokens=device_tokens,
+                plan_id=value, request=req, keys=keys, metadata=meta, device_tokens=device_tokens,
                 onboard_tokens=[c - d for c, d in zip(cached, device_tokens)], cached_lengths=cached,
                 new_lengths=[t - c for t, c in zip(totals, cached)],
-                page_lists=page_lists, keep_pages=keep, fresh_pages=fresh, onboard_src=onboard_src,
+                host_metadata=buffer, keep_pages=keep, onboard_src=onboard_src,
             )
             self._plans[plan.plan_id] = plan
             self._stats.plans += 1
@@ -361,16 +389,19 @@ class KVCacheManager:
                 plan.onboard_handle = DoneHandle(self.config.num_layers)
                 return plan.onboard_handle
             src = torch.cat([s for _, _, s in plan.onboard_src])
+            host, offsets = plan.host_metadata, plan.metadata.field_offsets
+            indptr, indices = offsets["kv_indptr"][0], offsets["kv_indices"][0]
             dst = []
             for b, first, slots in plan.onboard_src:
-                dst.extend(plan.page_lists[b][first : first + slots.numel()])
-            dst_t = torch.tensor(dst, dtype=torch.int64)
+                at = indices + int(host[indptr + b]) + first
+                dst.append(host[at : at + slots.numel()])
+            dst_t = torch.cat(dst)
             handle = self.transfer.copy(self.backend.host_table, src, self.kv_table, dst_t)
             plan.onboard_handle = handle
             items = [(plan.keys[b], None) for b, _, _ in plan.onboard_src]
             self._jobs.append(_CopyJob(handle, "onboard", items, []))
-            self._stats.onboard_pages += len(dst)
-            self._stats.onboard_bytes += len(dst) * self.config.page_bytes
+            self._stats.onboard_pages += dst_t.numel()
+            self._stats.onboard_bytes += dst_t.numel() * self.config.page_bytes
             return handle
 
     def onboard_wait(self, plan: BatchPlan) -> None:
@@ -421,34 +452,15 @@ class KVCacheManager:
         Only call after every append of the step was issued. Starts the write-through offload
         of newly completed full pages when a backend is present.
         """
-        P = self.config.page_size
         with self._lock:
             self._check_live(plan)
             req = plan.request
-            for b, key in enumerate(plan.keys):
-                entry = self._entries[key]
-                start, total = req.history_offsets[b], req.history_lengths[b]
-                stale = entry.pages[plan.keep_pages[b] :]
-                self._pool.free(stale)
-                # Hashes of the kept full pages stay valid; hash the rest once, incrementally.
-                valid = min(len(entry.page_hashes), plan.device_tokens[b] // P)
-                hasher = entry.hasher
-                if hasher is None or valid != len(entry.page_hashes) or hasher.num_tokens != valid * P:
-                    hasher = StreamHasher(self._seed)
-                    hasher.update(req.tokens, start, start + valid * P)
-                hashes = entry.page_hashes[:valid]
-                for i in range(valid, total // P):
-                    hasher.update(req.tokens, start + i * P, start + (i + 1) * P)
-                    hashes.append(hasher.digest())
-                entry.pages = plan.page_lists[b]
-                entry.page_hashes = hashes
-                entry.hasher = hasher
-                entry.num_tokens = total
-                entry.digest = hasher.digest_with(req.tokens, start + (total // P) * P, start + total)
-                entry.version = self._tick()
-                entry.in_plan = False
-                if total == 0 and entry.offloads == 0:
-                    del self._entries[key]
+            # NOTE: the core frees stale pages (zombies while a copy reads them), hashes the new
+            # full pages with the entry's stream hasher and publishes the entries.
+            digests = (self._digests(req, list(req.history_lengths), namespace_seed(plan.keys[0][0]))
+                       if self._caller_digests else (None,) * 3)
+            self._core.commit(plan.plan_id, req.history_offsets, req.tokens, *digests)
+            for b, total in enumerate(req.history_lengths):
                 self._stats.tokens_requested += total
                 self._stats.tokens_reused_device += plan.device_tokens[b]
                 self._stats.tokens_reused_host += plan.onboard_tokens[b]
@@ -476,12 +488,7 @@ class KVCacheManager:
             elif plan.onboard_handle is None:
                 for b, _, _ in plan.onboard_src:
                     self.backend.release(plan.keys[b])
-            for b, key in enumerate(plan.keys):
-                entry = self._entries[key]
-                self._pool.free(plan.fresh_pages[b])
-                entry.in_plan = False
-                if entry.num_tokens == 0 and not entry.pages and entry.offloads == 0:
-                    del self._entries[key]
+            self._core.abort(plan.plan_id)
             plan.state = "aborted"
             del self._plans[plan.plan_id]
             self._stats.aborts += 1
@@ -495,22 +502,23 @@ class KVCacheManager:
         slots_all: list[torch.Tensor] = []
         items: list[tuple[Key, torch.Tensor | None]] = []
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
+            ns = self._ns_ids[key[0]]
+            info, pages, hashes = self._core.entry(ns, key[1])
+            if info[0] < 0:
                 continue
-            full = entry.num_tokens // P
-            have = self.backend.stored_pages(key, entry.page_hashes[:full])
+            full = info[0] // P
+            page_hashes = from_pairs(hashes)  # one per full page
+            have = self.backend.stored_pages(key, page_hashes)
             if have >= full:
                 continue
-            slots = self.backend.reserve(key, have, entry.page_hashes[have:full])
+            slots = self.backend.reserve(key, have, page_hashes[have:full])
             if slots is None:
                 self._stats.offload_skipped += 1
                 continue
-            pages = entry.pages[have:full].tolist()
-            src.extend(pages)
+            src.extend(pages[have:full].tolist())
             slots_all.append(slots)
             items.append((key, slots))
-            entry.offloads += 1
+            self._core.add_offload(ns, key[1])
         if not items:
             return
         self._pool.add_readers(src)
@@ -537,9 +545,7 @@ class KVCacheManager:
             self._stats.offload_failed += 1
         for key, slots in job.items:
             self.backend.publish(key, slots, ok)
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.offloads -= 1
+            self._core.offload_done(self._ns_ids[key[0]], key[1])
 
     def _reap(self) -> int:
         if self.backend is not None:
@@ -588,22 +594,16 @@ class KVCacheManager:
         Returns the number of device entries dropped.
         """
         with self._lock:
-            keys = [(self.namespace, u) for u in user_ids]
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None and entry.in_plan:
-                    raise ValueError(f"user {key[1]} is in an in-flight step; commit or abort it first")
-            if any(key in self._entries and self._entries[key].offloads for key in keys):
+            users = list(user_ids)
+            # raises ValueError (nothing changed) for a user in an in-flight step
+            if self._core.evict_blockers(self._ns_id, users):
                 self._drain()
-            dropped = 0
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    self._drop(key, entry)
-                    dropped += 1
-                if all_tiers and self.backend is not None:
-                    self.backend.evict(key)
-            return dropped
+            evicted = self._core.evict(self._ns_id, users)
+            self._count_evicted(evicted)
+            if all_tiers and self.backend is not None:
+                for u in users:
+                    self.backend.evict((self.namespace, u))
+            return evicted[0]
 
     def evict_all(self, *, all_tiers: bool = False) -> None:
         """Drop every device entry (and every lower-tier page with ``all_tiers``)."""
@@ -611,8 +611,7 @@ class KVCacheManager:
             if self._plans:
                 raise ValueError(f"{len(self._plans)} steps are in flight; commit or abort them first")
             self._drain()
-            for key in list(self._entries):
-                self._drop(key, self._entries[key])
+            self._count_evicted(self._core.evict_all())
             if all_tiers and self.backend is not None:
                 self.backend.clear()
 
@@ -622,18 +621,16 @@ class KVCacheManager:
         with self._lock:
             if n <= 0:
                 return []
-            if not self._make_room(n, set()):
+            if not self._make_room(n, []):
                 raise ValueError(f"cannot reserve {n} scratch pages: the cache has {self.config.num_pages} pages")
-            pages = self._pool.allocate(n)
-            self._scratch.extend(pages)
-            return pages
+            return self._core.reserve_scratch(n)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out = self._stats.as_dict()
             out.update(
-                device_users=len(self._entries),
+                device_users=self._core.num_entries(),
                 device_pages_free=self._pool.num_free,
                 device_pages_used=self.config.num_pages - self._pool.num_free,
                 plans_in_flight=len(self._plans),
@@ -650,37 +647,22 @@ class KVCacheManager:
     def lru_order(self) -> list[int]:
         """User ids on the device, least recently used first (current namespace only)."""
         with self._lock:
-            return [k[1] for k in self._entries if k[0] == self.namespace]
+            return self._core.lru_order(self._ns_id)
 
     def cached_length(self, user_id: int) -> int:
         with self._lock:
-            entry = self._entries.get((self.namespace, user_id))
-            return 0 if entry is None else entry.num_tokens
+            return self._core.cached_tokens(self._ns_id, [user_id])[0]
 
     def pages_of(self, user_id: int) -> list[int]:
         with self._lock:
-            entry = self._entries.get((self.namespace, user_id))
-            return [] if entry is None else entry.pages.tolist()
+            return self._core.entry(self._ns_id, user_id)[1].tolist()
 
     def check(self) -> None:
         """Assert the accounting invariants (see the module docstring)."""
         with self._lock:
-            owned: list[int] = []
-            P = self.config.page_size
-            for key, e in self._entries.items():
-                assert len(e.pages) == -(-e.num_tokens // P) or e.in_plan, (
-                    f"user {key}: {len(e.pages)} pages for {e.num_tokens} tokens")
-                assert len(e.page_hashes) == e.num_tokens // P, f"user {key}: hash count"
-                assert e.offloads >= 0
-                owned.extend(e.pages)
-            for plan in self._plans.values():
-                for b, key in enumerate(plan.keys):
-                    assert self._entries[key].in_plan, f"user {key} of plan {plan.plan_id} not marked"
-                    owned.extend(plan.fresh_pages[b])
-            assert sum(e.in_plan for e in self._entries.values()) == sum(
-                p.batch_size for p in self._plans.values()), "in_plan marks disagree with plans"
-            owned.extend(self._scratch)
-            self._pool.check(owned)
+            problem = self._core.check()
+            assert not problem, problem
+            assert sorted(self._plans) == self._core.plan_ids(), "plans disagree with the core's"
             if self.backend is not None:
                 self.backend.check()
 

@@ -2,13 +2,13 @@
 
 Owns `LookupResult` (per user, per tier: how many history tokens are reusable) and `BatchPlan`
 (pages of one step, its metadata and its onboard copy). Both are plain data; only
-`KVCacheManager` creates and changes them.
+`KVCacheManager` creates and changes them (a plan's pages are held by the C++ core under
+``plan_id`` until commit or abort).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from array import array
 
 import torch
 
@@ -63,10 +63,10 @@ class BatchPlan:
     onboard_tokens: list[int]
     cached_lengths: list[int]
     new_lengths: list[int]
-    # internals (manager only)
-    page_lists: list[array]
+    # internals (manager only): the metadata buffer on the host (the core's kv_indices and
+    # kv_indptr name each user's pages), whole device pages kept per user, onboard sources
+    host_metadata: torch.Tensor
     keep_pages: list[int]
-    fresh_pages: list[list[int]]
     onboard_src: list[tuple[int, int, torch.Tensor]]  # (batch index, first page, host slots)
     onboard_handle: CopyHandle | None = None
     state: str = "allocated"
