@@ -50,14 +50,15 @@ def main(batch_sizes):
         torch.cuda.synchronize()
         prof.disable()
         print(f"--- bs{bs} cached+graphs, cProfile (cumulative) ---")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as p:
             for b in warm[:8]:
                 cached.score(b)
             torch.cuda.synchronize()
         print(f"--- bs{bs} cached+graphs, torch.profiler (8 steps) ---")
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         cache.manager.close()
 
