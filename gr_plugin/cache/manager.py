@@ -158,6 +158,10 @@ class KVCacheManager:
         load_core()
         self._core = torch.classes.gr_kv_core.CacheCore(config.num_pages, config.page_size)
         self._pool = PagePool.wrap(self._core.pool())
+        # NOTE: bound once: looking a method up on a ScriptObject costs ~2 µs per call.
+        core = self._core
+        self._core_lookup, self._core_allocate = core.lookup_rows, core.allocate
+        self._core_commit, self._core_abort = core.commit_rows, core.abort
         # NOTE: without libxxhash in the core, digests are computed here (python-xxhash, the same
         # function) and passed in; tests set this to exercise that path too.
         self._caller_digests = not torch.ops.gr_kv_core.hashing_available()
@@ -231,7 +235,7 @@ class KVCacheManager:
             tails = [n if 0 < n <= length else -1 for n, length in zip(cached, req.history_lengths)]
             digests = self._digests(req, tails, self._seed)
             return self._core.lookup(req.user_ids, req.history_offsets, req.tokens, *digests)
-        return self._core.lookup(req.user_ids, req.history_offsets, req.tokens, None, None, None)
+        return self._core_lookup(req.user_ids, req.history_offsets, req.tokens)
 
     def _match_tiers(self, key: Key, req: CacheRequest, b: int, dev: int) -> tuple[dict[str, int], int]:
         """(tier pages, backend version) for user ``b`` of ``req`` with ``dev`` device tokens."""
@@ -306,7 +310,7 @@ class KVCacheManager:
         with self._lock:
             if lookup.namespace != self.namespace:
                 lookup = self.lookup(req)
-            keys, backend, core = lookup.keys, self.backend, self._core
+            keys, backend, core, core_allocate = lookup.keys, self.backend, self._core, self._core_allocate
             if lookup.prefetch_task is not None:
                 state = backend.wait(lookup.prefetch_task)
                 lookup.prefetch_task = None
@@ -323,7 +327,7 @@ class KVCacheManager:
                         host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
             # The core decides (changing nothing on a refusal), evicts and reserves in one call.
             args = (users, totals, dev, seen, host_pages)
-            status, value, buffer, info = core.allocate(*args)
+            status, value, buffer, info = core_allocate(*args)
             if status == _CHANGED:
                 # NOTE: another step changed a user's device entry since the lookup; match again.
                 dev, now = self._device_match(req)
@@ -331,13 +335,13 @@ class KVCacheManager:
                     if backend is not None and now[b] != seen[b]:
                         host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
                 args = (users, totals, dev, now, host_pages)
-                status, value, buffer, info = core.allocate(*args)
+                status, value, buffer, info = core_allocate(*args)
             if status == _NO_FIT:
                 # NOTE: finished copies may unpin users: reap them, drain if that is not enough.
                 self._reap()
                 if not core.fits(info[0], users) and self._jobs:
                     self._drain()
-                status, value, buffer, info = core.allocate(*args)
+                status, value, buffer, info = core_allocate(*args)
             if status == _IN_FLIGHT:
                 raise UserInFlightError(f"user {users[value]} is already in an in-flight step")
             if status != _OK:
@@ -457,9 +461,11 @@ class KVCacheManager:
             req = plan.request
             # NOTE: the core frees stale pages (zombies while a copy reads them), hashes the new
             # full pages with the entry's stream hasher and publishes the entries.
-            digests = (self._digests(req, list(req.history_lengths), namespace_seed(plan.keys[0][0]))
-                       if self._caller_digests else (None,) * 3)
-            self._core.commit(plan.plan_id, req.history_offsets, req.tokens, *digests)
+            if self._caller_digests:
+                digests = self._digests(req, list(req.history_lengths), namespace_seed(plan.keys[0][0]))
+                self._core.commit(plan.plan_id, req.history_offsets, req.tokens, *digests)
+            else:
+                self._core_commit(plan.plan_id, req.history_offsets, req.tokens)
             for b, total in enumerate(req.history_lengths):
                 self._stats.tokens_requested += total
                 self._stats.tokens_reused_device += plan.device_tokens[b]
@@ -488,7 +494,7 @@ class KVCacheManager:
             elif plan.onboard_handle is None:
                 for b, _, _ in plan.onboard_src:
                     self.backend.release(plan.keys[b])
-            self._core.abort(plan.plan_id)
+            self._core_abort(plan.plan_id)
             plan.state = "aborted"
             del self._plans[plan.plan_id]
             self._stats.aborts += 1

@@ -315,10 +315,20 @@ TORCH_LIBRARY(gr_kv_core, m) {
       .def("plan_ids", [](const Core& s) { return s->core.plan_ids(); })
       .def("check", [](const Core& s) { return s->core.check(); })
       // NOTE: the request-level ops again as methods: from Python a method call costs about a third
-      // of a dispatcher call (the manager's request path uses these).
+      // of a dispatcher call (the manager's request path uses these); the *_rows variants skip the
+      // caller-digest arguments, whose conversion is measurable at batch 1.
       .def("lookup", op_lookup)
+      .def("lookup_rows",
+           [](const Core& s, std::vector<int64_t> users, std::vector<int64_t> offsets, const at::Tensor& tokens) {
+             return op_lookup(s, std::move(users), std::move(offsets), tokens, std::nullopt, std::nullopt,
+                              std::nullopt);
+           })
       .def("allocate", op_allocate)
       .def("commit", op_commit)
+      .def("commit_rows",
+           [](const Core& s, int64_t plan_id, std::vector<int64_t> offsets, const at::Tensor& tokens) {
+             op_commit(s, plan_id, std::move(offsets), tokens, std::nullopt, std::nullopt, std::nullopt);
+           })
       .def("abort", op_abort);
 
   m.def("lookup(__torch__.torch.classes.gr_kv_core.CacheCore core, int[] users, int[] offsets, Tensor tokens, "

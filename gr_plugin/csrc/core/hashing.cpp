@@ -24,6 +24,10 @@ void XXH3_copyState(XXH3_state_s* dst, const XXH3_state_s* src);
 int XXH3_128bits_reset_withSeed(XXH3_state_s* state, unsigned long long seed);
 int XXH3_128bits_update(XXH3_state_s* state, const void* data, size_t len);
 gr_xxh128 XXH3_128bits_digest(const XXH3_state_s* state);
+// NOTE: x86 builds of the library also export runtime-dispatching (AVX2/AVX512) variants; weak,
+// so they are used where present and the portable ones elsewhere.
+__attribute__((weak)) gr_xxh128 XXH3_128bits_withSeed_dispatch(const void* data, size_t len, unsigned long long seed);
+__attribute__((weak)) int XXH3_128bits_update_dispatch(XXH3_state_s* state, const void* data, size_t len);
 }
 #endif
 
@@ -45,6 +49,7 @@ bool hashing_available() noexcept { return true; }
 uint64_t namespace_seed(const std::string& name) { return XXH3_64bits(name.data(), name.size()); }
 
 Digest hash_bytes(const void* data, size_t size, uint64_t seed) {
+  if (XXH3_128bits_withSeed_dispatch != nullptr) return to_digest(XXH3_128bits_withSeed_dispatch(data, size, seed));
   return to_digest(XXH3_128bits_withSeed(data, size, seed));
 }
 
@@ -59,7 +64,11 @@ StreamHasher::StreamHasher(const StreamHasher& other) : state_(new_state()), num
 StreamHasher::~StreamHasher() { XXH3_freeState(as_state(state_)); }
 
 void StreamHasher::update(const void* data, size_t size, int64_t rows) {
-  XXH3_128bits_update(as_state(state_), data, size);
+  if (XXH3_128bits_update_dispatch != nullptr) {
+    XXH3_128bits_update_dispatch(as_state(state_), data, size);
+  } else {
+    XXH3_128bits_update(as_state(state_), data, size);
+  }
   num_tokens_ += rows;
 }
 
