@@ -8,7 +8,9 @@
 set -euo pipefail
 site=${1:-.site}
 src=.serve_whl
-tar -xJf "$src/pytriton-slim.tar.xz" -C "$site"
+# NOTE: into the interpreter's own site-packages: PyTriton finds nvidia_pytriton.libs next to its
+# package only there (anywhere else it assumes an editable install and looks inside the package).
+tar -xJf "$src/pytriton-slim.tar.xz" -C "$(python3 -c 'import site; print(site.getsitepackages()[0])')"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$src"/*.whl
 # The stub env (gr_plugin.serving.triton_env's default location), made here without pip.
 env_dir=$(python3 -c 'import sys; print(sys.prefix)')/triton-stub
