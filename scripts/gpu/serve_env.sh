@@ -10,7 +10,15 @@ site=${1:-.site}
 src=.serve_whl
 # NOTE: into the interpreter's own site-packages: PyTriton finds nvidia_pytriton.libs next to its
 # package only there (anywhere else it assumes an editable install and looks inside the package).
-tar -xJf "$src/pytriton-slim.tar.xz" -C "$(python3 -c 'import site; print(site.getsitepackages()[0])')"
+purelib=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+tar -xJf "$src/pytriton-slim.tar.xz" -C "$purelib"
+# NOTE: the stub embeds PyTriton's own libpython, whose stdlib search then lands on this machine's
+# Python; where that Python builds modules such as _socket into itself (Ubuntu), they are missing.
+# The machine's own shared libpython of the same version has them: the stub loads that one instead.
+so=$(python3 -c 'import sysconfig as s, os; print(os.path.join(s.get_config_var("LIBDIR"), s.get_config_var("INSTSONAME") or "none"))')
+if [ -f "$so" ]; then
+  for f in "$purelib"/nvidia_pytriton.libs/libpython3-*.so.1.0; do ln -sf "$so" "$f"; echo "stub libpython -> $so"; done
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$src"/*.whl
 # The stub env (gr_plugin.serving.triton_env's default location), made here without pip.
 env_dir=$(python3 -c 'import sys; print(sys.prefix)')/triton-stub
