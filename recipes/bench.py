@@ -13,12 +13,13 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import block, common, e2e, export, host_overhead, serve, soak, tiers
+from gr_plugin.bench import block, common, e2e, export, host_overhead, serve, soak, step_host, tiers
 
 logger = logging.getLogger(__name__)
 
 SUITES = {
     "host_overhead": (host_overhead.run, host_overhead.COLUMNS, "Host overhead of lookup + allocate"),
+    "step_host": (step_host.run, step_host.COLUMNS, "Host time of a ranking step (prepare: validate, lookup, layout)"),
     "soak": (soak.run, soak.COLUMNS, "Soak: Zipf request stream through small tiers"),
     "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
     "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),

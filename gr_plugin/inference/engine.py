@@ -12,11 +12,13 @@ import dataclasses
 import logging
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gr_plugin.cache import BatchPlan
 from gr_plugin.data import RequestBatch
 from gr_plugin.inference.inputs import batch_cache_keys, batch_to_kjts, host_batch
 from gr_plugin.modules import HSTURanker, KVCacheModule
-from gr_plugin.modules.tokens import build_token_layout
+from gr_plugin.modules.tokens import TokenLayout, build_token_layout
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,19 @@ class StepResult:
     cached_tokens: int = 0
     onboarded_tokens: int = 0
     computed_tokens: int = 0
+    fell_back: bool = False
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """A step after `RankingEngine.prepare`: the host KJTs, the token layout on the device, and the
+    cache's plan (None: a full pass; ``fell_back`` when the cache could not fit the batch)."""
+
+    history: KeyedJaggedTensor
+    candidates: KeyedJaggedTensor
+    layout: TokenLayout
+    plan: BatchPlan | None
+    total: int
     fell_back: bool = False
 
 
@@ -47,6 +62,13 @@ class RankingEngine:
 
     @torch.no_grad()
     def score(self, batch: RequestBatch) -> StepResult:
+        """One step: `prepare` on the host, then `run` on the device."""
+        return self.run(self.prepare(batch))
+
+    def prepare(self, batch: RequestBatch) -> PreparedStep:
+        """The host half of a step: validate, cache lookup + begin (pages, onboarding launched), and
+        the token layout, built on the host and moved in one copy. The caller must `run` (or
+        `discard`) the result: it may hold an in-flight cache step."""
         # NOTE: everything up to the layers runs on the host copy: the token layout is built there
         # (small int tensors) and reaches the device in one pinned, non-blocking copy, so a step
         # neither moves the whole history to the device nor waits on it.
@@ -61,27 +83,41 @@ class RankingEngine:
         cand = host.candidate_lengths
         num_cand, max_cand = int(cand.sum()), int(cand.max())
         max_positions = self.model.config.max_positions
-        if self.cache is not None:
-            plan = self.cache.begin(lookup)
-            if plan is not None:
-                return self._cached(history, candidates, plan, num_cand, max_cand)
-            logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
-        layout = build_token_layout(history, candidates, None, max_positions, total + num_cand,
-                                    int((host.history_lengths + cand).max()), num_cand).to(self.device)
-        return StepResult(self.model.forward_layout(layout), computed_tokens=total, fell_back=self.cache is not None)
-
-    def _cached(self, history, candidates, plan, num_cand: int, max_cand: int) -> StepResult:
+        plan = self.cache.begin(lookup) if self.cache is not None else None
+        if plan is None:
+            if self.cache is not None:
+                logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
+            layout = build_token_layout(history, candidates, None, max_positions, total + num_cand,
+                                        int((host.history_lengths + cand).max()), num_cand).to(self.device)
+            return PreparedStep(history, candidates, layout, None, total, fell_back=self.cache is not None)
         try:
             meta = plan.metadata
             cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
-            layout = build_token_layout(history, candidates, cached, self.model.config.max_positions,
-                                        meta.num_new_tokens + num_cand, meta.max_new_len + max_cand,
-                                        num_cand).to(self.device)
-            logits = self.model.forward_cached(history, candidates, self.cache, plan, graphs=self.graphs,
-                                               layout=layout)
+            layout = build_token_layout(history, candidates, cached, max_positions, meta.num_new_tokens + num_cand,
+                                        meta.max_new_len + max_cand, num_cand).to(self.device)
+        except BaseException:
+            self.cache.abort(plan)
+            raise
+        return PreparedStep(history, candidates, layout, plan, total)
+
+    @torch.no_grad()
+    def run(self, step: PreparedStep) -> StepResult:
+        """The device half: the layers (cached or full), then commit (abort on any error)."""
+        if step.plan is None:
+            return StepResult(self.model.forward_layout(step.layout), computed_tokens=step.total,
+                              fell_back=step.fell_back)
+        plan = step.plan
+        try:
+            logits = self.model.forward_cached(step.history, step.candidates, self.cache, plan, graphs=self.graphs,
+                                               layout=step.layout)
         except BaseException:
             self.cache.abort(plan)
             raise
         self.cache.commit(plan)
         return StepResult(logits, cached_tokens=sum(plan.cached_lengths), onboarded_tokens=sum(plan.onboard_tokens),
                           computed_tokens=sum(plan.new_lengths))
+
+    def discard(self, step: PreparedStep) -> None:
+        """Roll back a prepared step that will not run (its cache step is aborted)."""
+        if step.plan is not None:
+            self.cache.abort(step.plan)

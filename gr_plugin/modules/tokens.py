@@ -29,20 +29,28 @@ def validate_values(history: KeyedJaggedTensor, candidates: KeyedJaggedTensor, *
     request to a device). Every user needs >= 1 history event and >= 1 candidate; ids must be
     inside the embedding tables (an id past a table would read another row or fault)."""
     check_inputs(history, candidates)
-    hist_len = history["item"].lengths()
-    cand_len = candidates["item"].lengths()
+    # NOTE: KJT-level values/lengths (the history keys share one length per user, key-major values)
+    # and one aminmax per id column: per-key KJT access costs more host time than the checks.
+    bsz = history.stride()
+    per_key = history.lengths().view(len(HISTORY_KEYS), bsz)
+    if bsz and not bool((per_key == per_key[0]).all()):
+        raise ValueError(f"history keys {list(HISTORY_KEYS)} must have the same length per user, got "
+                         f"{per_key.tolist()}")
+    hist_len, cand_len = per_key[0], candidates.lengths()
     for name, lengths in (("history", hist_len), ("candidates", cand_len)):
         if lengths.numel() and int(lengths.min()) <= 0:
             b = int((lengths <= 0).nonzero()[0])
             raise ValueError(
                 f"user at batch index {b} has {int(lengths[b])} {name} events; at least 1 is required")
-    for key, values, lo, hi in (("item", history["item"].values(), 1, num_items),
-                                ("action", history["action"].values(), 0, num_actions - 1),
-                                ("time", history["time"].values(), 0, num_time_buckets - 1),
-                                ("candidate item", candidates["item"].values(), 1, num_items)):
-        if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
-            bad = int(values.min()) if int(values.min()) < lo else int(values.max())
-            raise ValueError(f"{key} id {bad} is outside the table range [{lo}, {hi}]")
+    hist_vals = history.values().view(len(HISTORY_KEYS), -1)
+    for key, values, lo, hi in (("item", hist_vals[0], 1, num_items),
+                                ("action", hist_vals[1], 0, num_actions - 1),
+                                ("time", hist_vals[2], 0, num_time_buckets - 1),
+                                ("candidate item", candidates.values(), 1, num_items)):
+        if values.numel():
+            vmin, vmax = (int(v) for v in torch.aminmax(values))
+            if vmin < lo or vmax > hi:
+                raise ValueError(f"{key} id {vmin if vmin < lo else vmax} is outside the table range [{lo}, {hi}]")
 
 
 @dataclasses.dataclass
@@ -120,10 +128,11 @@ def build_token_layout(
     ``L[b]``, with action and time 0.
     """
     # NOTE: KJT-level values()/lengths() (no to_dict, no length_per_key): no device sync, and the
-    # same on every torchrec version. The history keys share one length per user.
+    # same on every torchrec version. The history keys share one length per user. Per-user terms
+    # are combined on [B] before one gather to [Nq] each: the op count is what costs on the host.
     bsz = history.stride()
     hist_len = history.lengths()[:bsz].to(torch.int64)
-    hist_vals = history.values().view(len(HISTORY_KEYS), -1)
+    hist_vals = history.values().view(len(HISTORY_KEYS), -1).to(torch.int64)
     cand_len = candidates.lengths().to(torch.int64)
     device = hist_len.device
     cached = torch.zeros_like(hist_len) if cached_lengths is None else cached_lengths.to(torch.int64)
@@ -135,34 +144,37 @@ def build_token_layout(
     n = num_query_tokens
     h_off = complete_cumsum(hist_len)
     c_off = complete_cumsum(cand_len)
+    q_start = q_off[:-1]
     batch = torch.repeat_interleave(torch.arange(bsz, device=device), q_len, output_size=n)
-    local = torch.arange(n, device=device) - q_off[:-1][batch]
+    local = torch.arange(n, device=device) - q_start[batch]
     is_hist = local < new_len[batch]
-    hist_src = torch.where(is_hist, h_off[:-1][batch] + cached[batch] + local, 0)
-    cand_src = torch.where(is_hist, 0, c_off[:-1][batch] + local - new_len[batch])
-
-    def pick(values: torch.Tensor) -> torch.Tensor:
-        return values.to(torch.int64)[hist_src] if values.numel() else torch.zeros(n, dtype=torch.int64,
-                                                                                    device=device)
-
+    # per user: where its new events start in the history values, its candidates in theirs (offset
+    # by the new events that come first in its query segment), and its candidates' position
+    per_user = torch.stack([h_off[:-1] + cached, c_off[:-1] - new_len, cached,
+                            hist_len.clamp(max=max_positions - 1)])[:, batch]
+    hist_src = torch.where(is_hist, per_user[0] + local, 0)
+    values = torch.empty(len(EMBEDDING_KEYS), n, dtype=torch.int64, device=device)
+    if hist_vals.numel():
+        torch.index_select(hist_vals, 1, hist_src, out=values[:3])
+        values[1:3] *= is_hist  # candidates: action and time 0
+    else:
+        values[:3].zero_()
     cand_items = candidates.values().to(torch.int64)
-    item = torch.where(is_hist, pick(hist_vals[0]), cand_items[cand_src] if cand_items.numel() else 0)
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    action = torch.where(is_hist, pick(hist_vals[1]), zero)
-    time = torch.where(is_hist, pick(hist_vals[2]), zero)
-    position = torch.where(is_hist, cached[batch] + local, hist_len[batch]).clamp(max=max_positions - 1)
-    features = _features(torch.cat([item, action, time, position]), q_len.repeat(len(EMBEDDING_KEYS)), n)
+    if cand_items.numel():
+        cand_src = torch.where(is_hist, 0, per_user[1] + local)
+        torch.where(is_hist, values[0], cand_items[cand_src], out=values[0])
+    torch.where(is_hist, (per_user[2] + local).clamp_(max=max_positions - 1), per_user[3], out=values[3])
+    features = _features(values.view(-1), q_len.repeat(len(EMBEDDING_KEYS)), n)
     if num_candidates is None:  # host sync (boolean masks); fine on the CPU and in training
         rows = torch.arange(n, device=device)
         candidate_rows, new_rows = rows[~is_hist], rows[is_hist]
     else:
         ar = torch.arange(bsz, device=device)
-        bn = torch.repeat_interleave(ar, new_len, output_size=n - num_candidates)
-        new_off = complete_cumsum(new_len)
-        new_rows = q_off[:-1][bn] + torch.arange(n - num_candidates, device=device) - new_off[:-1][bn]
+        num_new = n - num_candidates
+        bn = torch.repeat_interleave(ar, new_len, output_size=num_new)
+        new_rows = (q_start - complete_cumsum(new_len)[:-1])[bn] + torch.arange(num_new, device=device)
         bc = torch.repeat_interleave(ar, cand_len, output_size=num_candidates)
-        candidate_rows = (q_off[:-1][bc] + new_len[bc] + torch.arange(num_candidates, device=device)
-                          - c_off[:-1][bc])
+        candidate_rows = (q_start + new_len - c_off[:-1])[bc] + torch.arange(num_candidates, device=device)
     return TokenLayout(
         features=features,
         q_offsets=q_off,
@@ -184,7 +196,9 @@ def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: t
     """
     for name, t, bits in (("item", items, _ITEM_BITS), ("action", actions, _ACTION_BITS),
                           ("time bucket", time_buckets, _TIME_BITS)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= 1 << bits):
-            bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
-            raise ValueError(f"{name} id {bad} is outside [0, 2**{bits}) and cannot be part of a cache key")
+        if t.numel():
+            tmin, tmax = (int(v) for v in torch.aminmax(t))
+            if tmin < 0 or tmax >= 1 << bits:
+                raise ValueError(f"{name} id {tmin if tmin < 0 else tmax} is outside [0, 2**{bits}) "
+                                 "and cannot be part of a cache key")
     return (items.to(torch.int64) << 24) | (actions.to(torch.int64) << 16) | time_buckets.to(torch.int64)
