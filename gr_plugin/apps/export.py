@@ -4,11 +4,13 @@ package, reload it, and check it.
 Owns the export run: load the model (as ``recipes.infer`` does), take the first request batch as the
 example, write the package, reload it with ``aoti_load_package``, then replay the request stream
 twice on fresh caches — eager cached inference and the package — comparing both with a full
-recomputation and timing them side by side.
+recomputation and timing them side by side; with ``stream`` (CPU), also write the request stream
+with the eager cached scores next to the package (`gr_plugin.export.stream`) for the C++ runner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -20,14 +22,15 @@ import torch
 from gr_plugin.apps.common import make_cache, make_datamodule, pick_device
 from gr_plugin.apps.infer import _load_or_train
 from gr_plugin.configs.kvcache import KVCacheOptions
-from gr_plugin.configs.schema import InferConfig
+from gr_plugin.configs.schema import ExportConfig
 from gr_plugin.export.runner import PackagedCachedRanker, export_package
+from gr_plugin.export.stream import StreamBatch, record_stream
 from gr_plugin.inference import batch_cache_keys, batch_to_kjts
 
 logger = logging.getLogger(__name__)
 
 
-def run(cfg: InferConfig, out_dir: Path, package: str | None = None) -> dict[str, Any]:
+def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[str, Any]:
     device = pick_device(cfg.device)
     dm = make_datamodule(cfg.data)
     module, weights = _load_or_train(cfg)
@@ -73,7 +76,17 @@ def run(cfg: InferConfig, out_dir: Path, package: str | None = None) -> dict[str
             diffs.append((got.float() - full.float()).abs().max().item())
         results[mode] = {"ms_p50": statistics.median(times), "max_abs_diff_vs_full": max(diffs),
                          "tokens_reused": reused}
-    summary = {"weights": weights, "device": str(device), "package": path, "export_s": export_s,
+    stream = None
+    if cfg.stream:
+        if device.type == "cpu":
+            # NOTE: a fresh device-only cache: the C++ runner keeps device pages only, so this run's
+            # cached lengths are what the runner's must be.
+            cache = make_cache(dataclasses.replace(opts, backend="gpu"), cfg.model, device, dtype)
+            stream = str(record_stream(model, cache, (StreamBatch(b.user_ids.tolist(), *batch_to_kjts(b))
+                                                      for b in batches), out_dir / "stream"))
+        else:
+            logger.warning("stream: streams are recorded on the CPU; not written for device %s", device)
+    summary = {"weights": weights, "device": str(device), "package": path, "stream": stream, "export_s": export_s,
                "batches": len(batches), **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items()}}
     summary["equal"] = max(results["eager"]["max_abs_diff_vs_full"],
                            results["package"]["max_abs_diff_vs_full"]) <= cfg.tolerance

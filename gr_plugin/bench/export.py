@@ -1,11 +1,15 @@
-"""Eager cached inference vs the AOTInductor package of the whole cached step, with and without cache hits.
+"""Eager cached inference vs the AOTInductor package of the whole cached step (from Python and from the
+C++ runner), with and without cache hits.
 
 Owns the "export" benchmark (``python -m recipes.bench suite=export``): an ``hstu_small``-shaped model
 (random weights: only time is measured, plus a check against full recomputation) exported once, then
-the same request stream scored by ``forward_cached`` (eager Python) and by the package
-(`PackagedCachedRanker`, loaded in Python). ``hit``: returning users whose history is cached except
-the ``new_events`` newest; ``miss``: every step's plan is aborted, so the whole history is computed.
-Timed: the scoring call only (token layout + the model), not lookup / allocate / commit.
+the same request stream scored by ``forward_cached`` (eager Python), by the package
+(`PackagedCachedRanker`, loaded in Python) and, with ``cpp_runner``, by the C++ runner
+(``gr_plugin/csrc/runner``) replaying the same requests recorded as a stream (`gr_plugin.export.stream`).
+``hit``: returning users whose history is cached except the ``new_events`` newest; ``miss``: every
+step's plan is aborted, so the whole history is computed. Timed in Python: the scoring call only
+(token layout + the model), not lookup / allocate / commit; for the runner: its whole step (cache
+lookup, allocate, inputs, the package, commit), and the package call alone (``package_ms_p50``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.bench.common import summarize
 from gr_plugin.cache import KVCacheConfig
+from gr_plugin.csrc.runner.build import build_runner, run_runner
 from gr_plugin.export.runner import PackagedCachedRanker, export_package
+from gr_plugin.export.stream import StreamBatch, record_stream
 from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule, cache_token_keys
 
 logger = logging.getLogger(__name__)
@@ -55,16 +61,22 @@ class _Stream:
 
 def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedRanker, scenario: str, *,
               batch: int, history_len: int, new_events: int, candidates: int, steps: int, warmup: int,
-              seed: int) -> list[dict[str, Any]]:
+              seed: int) -> tuple[list[dict[str, Any]], list[StreamBatch], list[torch.Tensor]]:
+    """Rows of the two Python modes, and the requests in order with their full recomputation (what the
+    C++ runner replays: the priming request of ``hit`` first)."""
     stream = _Stream(model.config, batch, seed)
     users = list(range(seed * 1000, seed * 1000 + batch))
     stream.grow(history_len - new_events)
+    requests: list[StreamBatch] = []
+    fulls: list[torch.Tensor] = []
     if scenario == "hit":  # the history so far is cached
         history, cands, lengths, keys = stream.request(candidates)
         plan = cache.begin(users, lengths, keys)
         with torch.no_grad():
             model.forward_cached(history, cands, cache, plan)
+            fulls.append(model(history, cands))
         cache.commit(plan)
+        requests.append(StreamBatch(users, history, cands))
     times: dict[str, list[float]] = {"eager": [], "package": []}
     diffs: dict[str, float] = {"eager": 0.0, "package": 0.0}
     query_tokens = []
@@ -74,6 +86,8 @@ def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedR
         history, cands, lengths, keys = stream.request(candidates)
         with torch.no_grad():
             full = model(history, cands)
+        requests.append(StreamBatch(users, history, cands))
+        fulls.append(full)
         for mode in ("eager", "package"):
             plan = cache.begin(users, lengths, keys)
             if plan is None:
@@ -97,20 +111,44 @@ def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedR
         rows.append({"scenario": scenario, "mode": "eager cached (Python)" if mode == "eager" else "AOTI package",
                      "batch": batch, "history": history_len, "query_tokens": round(sum(query_tokens) / steps),
                      "ms_p50": s["p50"], "ms_p90": s["p90"], "max_abs_diff_vs_full": diffs[mode]})
-    return rows
+    return rows, requests, fulls
+
+
+def _cpp_row(model: HSTURanker, cache_cfg: KVCacheConfig, package: str, runner: Path, scenario: str,
+             requests: list[StreamBatch], fulls: list[torch.Tensor], untimed: int, tmp: Path,
+             query_tokens: int) -> dict[str, Any]:
+    """The C++ runner on ``requests``: recorded as a stream (eager cached scores, a fresh device-only
+    cache), replayed with commits (``hit``) or aborts (``miss``); its scores checked against ``fulls``."""
+    stream = record_stream(model, KVCacheModule(cache_cfg, "gpu"), requests, tmp / f"{scenario}.stream",
+                           with_inputs=scenario == "hit")
+    scores_path = tmp / f"{scenario}.scores"
+    res = run_runner(package, stream, mode=scenario, warmup=untimed, scores_out=scores_path, runner=runner)
+    if res.returncode != 0:
+        raise RuntimeError(f"the C++ runner failed ({res.returncode}) on the {scenario} stream:\n{res.stderr}")
+    num_tasks = model.config.num_tasks
+    scores = torch.from_file(str(scores_path), size=sum(f.numel() for f in fulls), dtype=torch.float32)
+    got = scores.view(-1, num_tasks).split([f.shape[0] for f in fulls])
+    diff = max((g - f).abs().max().item() for g, f in zip(got[untimed:], fulls[untimed:]))
+    r = res.report
+    return {"scenario": scenario, "mode": "C++ runner (AOTI package)", "batch": len(requests[0].user_ids),
+            "history": None, "query_tokens": query_tokens, "ms_p50": r["step_ms_p50"], "ms_p90": r["step_ms_p90"],
+            "package_ms_p50": r["run_ms_p50"], "max_abs_diff_vs_full": diff, "hit_rate": r["hit_rate"]}
 
 
 def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates: int = 16, steps: int = 20,
-        warmup: int = 3, page_size: int = 16, model: dict | None = None) -> list[dict[str, Any]]:
-    """Rows for the ``hit`` and ``miss`` scenarios, eager and package each. ``model``: `HSTUConfig`
-    overrides (default ``hstu_small``'s shape, dropout off)."""
+        warmup: int = 3, page_size: int = 16, model: dict | None = None,
+        cpp_runner: bool = True) -> list[dict[str, Any]]:
+    """Rows for the ``hit`` and ``miss`` scenarios: eager, package and (``cpp_runner``: built here with
+    CMake) the C++ runner. ``model``: `HSTUConfig` overrides (default ``hstu_small``'s shape, dropout off)."""
     torch.manual_seed(0)
     cfg = HSTUConfig(**{"num_items": 3706, "num_time_buckets": 32, "embedding_dim": 64, "num_layers": 2,
                         "num_heads": 2, "head_dim": 32, "n_norm": 512.0, **(model or {})})
     net = HSTURanker(cfg).eval()
     pages = 4 * batch * (-(-(history_len + (warmup + steps) * new_events) // page_size) + 1)
-    cache = KVCacheModule(KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                                        page_size=page_size, num_pages=pages, device="cpu"), "gpu")
+    cache_cfg = KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                              page_size=page_size, num_pages=pages, device="cpu")
+    cache = KVCacheModule(cache_cfg, "gpu")
+    runner = build_runner() if cpp_runner else None
     stream = _Stream(cfg, batch, seed=99)
     stream.grow(history_len)
     history, cands, lengths, keys = stream.request(candidates)
@@ -124,12 +162,19 @@ def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates:
         logger.info("export + AOTInductor compile: %.1f s", export_s)
         rows = []
         for i, scenario in enumerate(("hit", "miss")):
-            rows += _scenario(net, cache, packaged, scenario, batch=batch, history_len=history_len,
-                              new_events=new_events, candidates=candidates, steps=steps, warmup=warmup, seed=i + 1)
+            py_rows, requests, fulls = _scenario(net, cache, packaged, scenario, batch=batch, history_len=history_len,
+                                                 new_events=new_events, candidates=candidates, steps=steps,
+                                                 warmup=warmup, seed=i + 1)
+            rows += py_rows
+            if runner is not None:
+                untimed = len(requests) - steps  # the priming request (hit) and the warm-ups
+                row = _cpp_row(net, cache_cfg, path, runner, scenario, requests, fulls, untimed, Path(tmp),
+                               py_rows[0]["query_tokens"])
+                rows.append({**row, "history": history_len})
     for r in rows:
         r["export_s"] = export_s
     return rows
 
 
-COLUMNS = ["scenario", "mode", "batch", "history", "query_tokens", "ms_p50", "ms_p90", "max_abs_diff_vs_full",
-           "export_s"]
+COLUMNS = ["scenario", "mode", "batch", "history", "query_tokens", "ms_p50", "ms_p90", "package_ms_p50",
+           "max_abs_diff_vs_full", "hit_rate", "export_s"]

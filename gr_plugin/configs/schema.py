@@ -91,10 +91,19 @@ class InferConfig:
     results_csv: str | None = None
 
 
+@dataclasses.dataclass
+class ExportConfig(InferConfig):
+    """``recipes.export``: ``stream`` also writes the replayed request stream with the eager cached
+    scores next to the package (``<out>/stream``, CPU only), what the C++ runner replays."""
+
+    stream: bool = True
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="infer_schema", node=InferConfig)
+    cs.store(name="export_schema", node=ExportConfig)
 
 
 register()
