@@ -27,7 +27,8 @@ from gr_plugin.serving.metrics import parse_prometheus
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ["workload", "kvcache", "requests", "threads", "latency_ms_p50", "latency_ms_p99", "throughput_rps",
+COLUMNS = ["workload", "kvcache", "device", "dtype", "requests", "threads", "latency_ms_p50", "latency_ms_p99",
+           "throughput_rps",
            "hit_rate", "hit_rate_device", "hit_rate_host", "hit_rate_ssd", "users_per_step", "engine_ms_per_step",
            "errors"]
 
@@ -76,7 +77,8 @@ def run(workloads: tuple[str, ...] = ("ml1m", "long"), kvcache: tuple[str, ...] 
                     summary = client_app.run(cfg)
                     m = parse_prometheus(scrape(server.info["metrics"]), "gr_serve_")
                     steps = max(1.0, m.get("gr_serve_steps_total", 0.0))
-                    row = {"workload": name, "kvcache": option, "weights": server.info.get("weights"), **summary,
+                    row = {"workload": name, "kvcache": option, "weights": server.info.get("weights"),
+                           "device": server.info.get("device"), "dtype": server.info.get("dtype"), **summary,
                            "users_per_step": m.get("gr_serve_users_scored_total", 0.0) / steps,
                            "engine_ms_per_step": 1e3 * m.get("gr_serve_step_seconds_total", 0.0) / steps}
                     logger.info("%s, kvcache=%s:\n%s", name, option, client_app.format_table(summary))

@@ -70,7 +70,10 @@ def run(cfg: ServeConfig, stop: threading.Event | None = None) -> dict[str, Any]
     try:
         server.start()
         if ready is not None:
-            _write_ready(ready, {"pid": os.getpid(), "weights": weights, **server.endpoints})
+            engine = service.engine
+            _write_ready(ready, {"pid": os.getpid(), "weights": weights, "device": str(engine.device),
+                                 "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+                                 **server.endpoints})
         while not stop.wait(0.5):
             if not server.alive():
                 logger.error("Triton or the model's proxy exited; shutting down")

@@ -176,6 +176,7 @@ def test_bad_requests_batched_with_good_ones_fail_alone(server, client, tiny_ckp
 
 
 def test_metrics_endpoints(server):
+    assert server.info["device"] == "cpu" and server.info["dtype"] == "float32"  # what the replica runs on
     ours = scrape(server.info["metrics"])
     assert "# TYPE gr_kvcache_tokens_reused_device_total counter" in ours
     assert 'gr_kvcache_tokens_reused_tier_total{replica="0",model="hstu_ranker",tier="host"}' in ours
