@@ -56,7 +56,8 @@ class ServeConfig:
     """``recipes.serve``: one replica. Weights as in ``recipes.infer`` (``ckpt_path``, else
     ``default_ckpt``, else train it when ``train_if_missing``; ``data``/``trainer``/``train`` only
     matter then). ``metrics_port``: the replica's own ``/metrics`` (serving and cache counters; 0:
-    any free port). ``ready_file``: written (JSON: pid, ports) once the server answers.
+    any free port). ``ready_file``: written (JSON: pid, device, dtype, ports) once the server answers.
+    ``dtype``: what the model runs in (``bfloat16`` on a GPU uses the tensor-core kernels).
     Replicas that share a Redis tier must use one ``kvcache.namespace`` per model version."""
 
     model: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
@@ -68,6 +69,7 @@ class ServeConfig:
     train_if_missing: bool = True
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     device: str = "auto"
+    dtype: str = "float32"  # the replica's weights and activations: float32 | bfloat16 | float16
     seed: int = 0
     replica_id: int = 0
     triton: TritonOptions = dataclasses.field(default_factory=TritonOptions)

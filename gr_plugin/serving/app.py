@@ -34,8 +34,11 @@ def build_service(cfg: ServeConfig) -> tuple[RankingService, str]:
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
     module, weights = _load_or_train(cfg)
-    model = module.model.to(device).eval()
-    dtype = next(model.parameters()).dtype
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.dtype not in dtypes:
+        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {cfg.dtype!r}")
+    dtype = dtypes[cfg.dtype]
+    model = module.model.to(device=device, dtype=dtype).eval()
     cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
     limits = RequestLimits.for_model(cfg.model, max_users=cfg.triton.max_batch_size,
                                      max_history_len=cfg.limits.max_history_len,

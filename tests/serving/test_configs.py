@@ -40,3 +40,17 @@ def test_serve_client_composes():
 def test_typos_are_rejected(name, overrides):
     with pytest.raises(ConfigCompositionException):
         _compose(name, overrides)
+
+
+def test_replica_dtype_is_checked_and_applied(tiny_ckpt):
+    from gr_plugin.serving.app import build_service
+    from tests.serving.helpers import MODEL_OVERRIDES
+
+    cfg = OmegaConf.to_object(_compose("serve", [*MODEL_OVERRIDES, f"ckpt_path={tiny_ckpt}", "kvcache=native",
+                                                 "dtype=bfloat16"]))
+    service, _ = build_service(cfg)
+    assert str(next(service.engine.model.parameters()).dtype) == "torch.bfloat16"
+    assert service.engine.cache.config.dtype == "bfloat16"
+    cfg.dtype = "float64"
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got 'float64'"):
+        build_service(cfg)
