@@ -93,10 +93,11 @@ class _Entries:
 
     def get(self, key: Key, default: _DeviceEntry | None = None) -> _DeviceEntry | None:
         m = self._m
-        ns = m._ns_ids.get(key[0])
-        if ns is None:
-            return default
-        info, pages, hashes = m._core.entry(ns, key[1])
+        with m._lock:  # NOTE: the core is not thread-safe; every call into it holds the manager's lock
+            ns = m._ns_ids.get(key[0])
+            if ns is None:
+                return default
+            info, pages, hashes = m._core.entry(ns, key[1])
         if info[0] < 0:
             return default
         return _DeviceEntry(info[0], bool(info[1]), info[2], info[3], pages.tolist(), from_pairs(hashes))
@@ -111,11 +112,13 @@ class _Entries:
         return isinstance(key, tuple) and self.get(key) is not None
 
     def __len__(self) -> int:
-        return self._m._core.num_entries()
+        with self._m._lock:
+            return self._m._core.num_entries()
 
     def __iter__(self) -> Iterator[Key]:
         m = self._m
-        return iter([(name, u) for name, ns in m._ns_ids.items() for u in m._core.lru_order(ns)])
+        with m._lock:
+            return iter([(name, u) for name, ns in m._ns_ids.items() for u in m._core.lru_order(ns)])
 
 
 @dataclasses.dataclass

@@ -54,8 +54,8 @@ std::string shape_str(const Tensor& t) {
 
 // kv_layer [num_pages, 2, P, H, D]; k or v [M, H, D] of its dtype and device.
 void check_table(const Tensor& kv_layer, const Tensor& k, const char* name) {
-  TORCH_CHECK_VALUE(kv_layer.dim() == 5 && kv_layer.size(1) == 2,
-                    "kv_layer must be [num_pages, 2, P, H, D], got ", shape_str(kv_layer));
+  TORCH_CHECK_VALUE(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.size(2) > 0,
+                    "kv_layer must be [num_pages, 2, P, H, D] with P > 0, got ", shape_str(kv_layer));
   TORCH_CHECK_VALUE(k.dim() == 3 && k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4), name,
                     " must be [M, ", kv_layer.size(3), ", ", kv_layer.size(4), "], got ", shape_str(k));
   TORCH_CHECK_VALUE(k.scalar_type() == kv_layer.scalar_type() && k.device() == kv_layer.device(), name, " is ",
@@ -201,7 +201,8 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
                       " is outside [0, history_lengths[", b, "] = ", hist[b], "]");
     TORCH_CHECK_VALUE(qo[b + 1] - qo[b] >= newl[b], "user ", b, " has ", qo[b + 1] - qo[b],
                       " query tokens (q_offsets) but new_lengths[", b, "] = ", newl[b]);
-    const int64_t pages = (hist[b] + page_size - 1) / page_size;
+    // NOTE: no hist + P - 1: a huge length would wrap negative and pass the checks below.
+    const int64_t pages = hist[b] / page_size + (hist[b] % page_size != 0);
     TORCH_CHECK_VALUE(ptr[b + 1] - ptr[b] >= pages, "user ", b, " has ", ptr[b + 1] - ptr[b],
                       " pages (kv_indptr) for history_lengths[", b, "] = ", hist[b], " (", pages, " pages of ",
                       page_size, ")");

@@ -538,8 +538,10 @@ def test_bad_input_to_core_entry_points_raises_and_changes_nothing():
         with pytest.raises(ValueError, match=match):
             fn()
         assert snapshot(core, [0]) == before, match
-    with pytest.raises(ValueError, match=r"page 99 out of range"):
+    with pytest.raises(ValueError, match=r"belongs to a CacheCore, which alone allocates and frees"):
         core.pool().free([99])
+    with pytest.raises(ValueError, match=r"page 99 out of range"):
+        core.pool().add_readers([99])
     assert snapshot(core, [0]) == before
     core.abort(pid)
     assert core.check() == ""

@@ -113,7 +113,14 @@ std::vector<HistoryRef> histories(const at::Tensor& tokens, const std::vector<in
 
 struct PoolHolder : torch::CustomClassHolder {
   std::shared_ptr<PagePool> pool;
-  explicit PoolHolder(std::shared_ptr<PagePool> p) : pool(std::move(p)) {}
+  // NOTE: a core's pool is shared with its directory: through this handle only readers may be added
+  // and removed (copies in flight); allocating or freeing would hand out pages users still own.
+  bool core_owned = false;
+  explicit PoolHolder(std::shared_ptr<PagePool> p, bool owned = false) : pool(std::move(p)), core_owned(owned) {}
+  void check_free_hand(const char* verb) const {
+    TORCH_CHECK_VALUE(!core_owned, "PagePool.", verb, ": this pool belongs to a CacheCore, which alone allocates "
+                      "and frees its pages");
+  }
 };
 
 struct CoreHolder : torch::CustomClassHolder {
@@ -197,8 +204,9 @@ at::Tensor op_build_metadata(const at::Tensor& kv_indices, std::vector<int64_t> 
 at::Tensor op_hash_rows(const at::Tensor& tokens, int64_t start, int64_t num_rows, int64_t seed) {
   return guarded([&] {
     const int64_t rb = check_tokens(tokens, {0, tokens.dim() ? tokens.size(0) : 0}, 1);
-    TORCH_CHECK_VALUE(start >= 0 && num_rows >= 0 && start + num_rows <= tokens.size(0), "rows [", start, ", ",
-                      start + num_rows, ") out of range for ", tokens.size(0), " rows");
+    // NOTE: no start + num_rows: it can wrap past int64 and pass.
+    TORCH_CHECK_VALUE(start >= 0 && num_rows >= 0 && start <= tokens.size(0) && num_rows <= tokens.size(0) - start,
+                      "rows [", start, ", +", num_rows, ") out of range for ", tokens.size(0), " rows");
     const auto* base = static_cast<const uint8_t*>(tokens.data_ptr()) + start * rb;
     return digests_to_tensor({hash_bytes(base, static_cast<size_t>(num_rows * rb), as_seed(seed))});
   });
@@ -223,6 +231,7 @@ TORCH_LIBRARY(gr_kv_core, m) {
       .def("allocate",
            [](const Pool& s, int64_t n) -> std::optional<std::vector<int64_t>> {
              return guarded([&]() -> std::optional<std::vector<int64_t>> {
+               s->check_free_hand("allocate");
                std::vector<int64_t> out;
                if (!s->pool->allocate(n, &out)) return std::nullopt;
                return out;
@@ -230,7 +239,7 @@ TORCH_LIBRARY(gr_kv_core, m) {
            })
       .def("free",
            [](const Pool& s, std::vector<int64_t> pages) {
-             guarded([&] { return s->pool->free(pages.data(), pages.size()), 0; });
+             guarded([&] { return s->check_free_hand("free"), s->pool->free(pages.data(), pages.size()), 0; });
            })
       .def("add_readers",
            [](const Pool& s, std::vector<int64_t> pages) {
@@ -248,7 +257,7 @@ TORCH_LIBRARY(gr_kv_core, m) {
       .def(torch::init([](int64_t num_pages, int64_t page_size) {
         return guarded([&] { return c10::make_intrusive<CoreHolder>(num_pages, page_size); });
       }))
-      .def("pool", [](const Core& s) { return c10::make_intrusive<PoolHolder>(s->core.shared_pool()); })
+      .def("pool", [](const Core& s) { return c10::make_intrusive<PoolHolder>(s->core.shared_pool(), true); })
       .def("page_size", [](const Core& s) { return s->core.page_size(); })
       .def("num_free", [](const Core& s) { return s->core.pool().num_free(); })
       .def("set_namespace",

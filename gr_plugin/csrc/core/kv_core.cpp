@@ -9,7 +9,8 @@
 namespace gr_kv_core {
 
 namespace {
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// NOTE: not (a + b - 1) / b, which wraps for lengths near 2^63 (a >= 0, b > 0).
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 std::string str(int64_t v) { return std::to_string(v); }
 }  // namespace
 
@@ -238,7 +239,7 @@ AllocResult CacheCore::allocate(const std::vector<int64_t>& users, const std::ve
       throw std::invalid_argument("user " + str(users[b]) + ": device tokens " + str(d) + " are not a reusable prefix (" +
                                   str(have) + " cached, history of " + str(L) + ", page size " + str(P) + ")");
     }
-    if (hp < 0 || hp * P > L) {
+    if (hp < 0 || hp > L / P) {  // NOTE: not hp * P > L, which can wrap
       throw std::invalid_argument("user " + str(users[b]) + ": host pages " + str(hp) + " do not fit a history of " +
                                   str(L) + " tokens");
     }
@@ -253,6 +254,10 @@ AllocResult CacheCore::allocate(const std::vector<int64_t>& users, const std::ve
     r.cached_lengths.push_back(c);
     r.device_tokens.push_back(dv);
     fresh_counts[b] = ceil_div(L, P) - k;
+    if (fresh_counts[b] > pool_->num_pages()) {  // NOTE: before summing, so the demand cannot wrap
+      r.status = AllocStatus::kTooBig;
+      return r;
+    }
     r.demand += fresh_counts[b];
   }
   if (r.demand > pool_->num_pages()) {
