@@ -84,7 +84,9 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
 @pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size, dtype, seed):
+@pytest.mark.parametrize("fast_silu", [False, True])
+def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size, dtype, seed, fast_silu, monkeypatch):
+    monkeypatch.setattr(tri, "FAST_SILU", fast_silu)  # tanh.approx SiLU (bf16 only)
     g = torch.Generator().manual_seed(seed)
     bsz = 4
     hist = torch.randint(0, 700, (bsz,), generator=g).tolist()
