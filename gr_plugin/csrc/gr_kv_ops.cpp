@@ -15,10 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <string>
-#include <vector>
+#include <utility>
 
 namespace gr_kv {
 namespace {
@@ -92,11 +90,6 @@ void check_size(const char* name, const Tensor& t, int64_t want, const char* wha
   TORCH_CHECK_VALUE(t.size(0) == want, name, " has ", t.size(0), " entries, expected ", want, " (", what, ")");
 }
 
-template <typename T>
-inline T silu(T x) {
-  return x / (T(1) + std::exp(-x));
-}
-
 // Strided [*, H, D] rows of one tensor: element (row, h, d).
 template <typename scalar_t>
 struct Rows {
@@ -107,16 +100,34 @@ struct Rows {
   const scalar_t* at(int64_t row, int64_t h) const { return p + row * s0 + h * s1; }
 };
 
-template <typename acc_t, typename scalar_t>
-inline acc_t dot(const scalar_t* a, int64_t sa, const scalar_t* b, int64_t sb, int64_t dim) {
-  acc_t s = 0;
-  for (int64_t d = 0; d < dim; ++d) s += static_cast<acc_t>(a[d * sa]) * static_cast<acc_t>(b[d * sb]);
-  return s;
-}
-
-template <typename acc_t, typename scalar_t>
-inline void axpy(acc_t* acc, acc_t w, const scalar_t* v, int64_t sv, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) acc[d] += w * static_cast<acc_t>(v[d * sv]);
+// One user's queries against its history, with GEMMs over all heads (bmm, [H, rows, keys]), in the
+// op-math dtype (fp32 for fp16/bf16). q, k, v: the user's query rows [n, H, D], the first num_causal of
+// them history tokens at positions first_pos + i (they see history positions <= their own), the rest
+// candidates (the whole history, plus their own k/v, which are never in the history). k_hist, v_hist:
+// the user's history [L, H, D]. Writes out [n, H, D] (a view of the op's output).
+void attend_user(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& k_hist, const Tensor& v_hist,
+                 int64_t num_causal, int64_t first_pos, double alpha, double n_norm, const Tensor& out) {
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  const Tensor kt = k_hist.to(acc).permute({1, 2, 0});  // [H, D, L]
+  const Tensor vh = v_hist.to(acc).transpose(0, 1);     // [H, L, D]
+  const auto silu_weights = [&](Tensor s) {  // SiLU(alpha * s) / n_norm, in place
+    s.mul_(alpha);
+    at::silu_(s);
+    return s.div_(n_norm);
+  };
+  const int64_t n = q.size(0), num_cand = n - num_causal;
+  if (num_causal > 0) {
+    // NOTE: tril_(first_pos) keeps key j <= first_pos + i for row i: the causal mask of a new history token.
+    const Tensor w = silu_weights(at::bmm(q.narrow(0, 0, num_causal).to(acc).transpose(0, 1), kt)).tril_(first_pos);
+    out.narrow(0, 0, num_causal).copy_(at::bmm(w, vh).transpose(0, 1));
+  }
+  if (num_cand > 0) {
+    const Tensor qc = q.narrow(0, num_causal, num_cand).to(acc);  // [C, H, D]
+    Tensor o = at::bmm(silu_weights(at::bmm(qc.transpose(0, 1), kt)), vh);  // [H, C, D]
+    const Tensor self_w = silu_weights((qc * k.narrow(0, num_causal, num_cand).to(acc)).sum(-1));  // [C, H]
+    o.add_(self_w.t().unsqueeze(-1) * v.narrow(0, num_causal, num_cand).to(acc).transpose(0, 1));
+    out.narrow(0, num_causal, num_cand).copy_(o.transpose(0, 1));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -214,39 +225,23 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
   Tensor out = at::empty_like(q);
   const int64_t heads = q.size(1), dim = q.size(2);
   if (nq == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gr_kv::paged_hstu_attention", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const Rows<scalar_t> qr(q), kr(k), vr(v);
-    const scalar_t* table = kv_layer.const_data_ptr<scalar_t>();
-    const int64_t t0 = kv_layer.stride(0), t1 = kv_layer.stride(1), t2 = kv_layer.stride(2),
-                  t3 = kv_layer.stride(3), t4 = kv_layer.stride(4);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
-    const acc_t a = static_cast<acc_t>(alpha), inv_norm = static_cast<acc_t>(1.0 / n_norm);
-    // One task per (query token, head); the user of a token by binary search on q_offsets.
-    at::parallel_for(0, nq * heads, 16, [&](int64_t lo, int64_t hi) {
-      std::vector<acc_t> acc(dim);
-      for (int64_t task = lo; task < hi; ++task) {
-        const int64_t row = task / heads, h = task % heads;
-        const int64_t b = std::upper_bound(qo, qo + bsz + 1, row) - qo - 1;
-        const int64_t i = row - qo[b], n_new = newl[b], n_hist = hist[b];
-        // a new history token at position hist - new + i sees positions <= its own; a candidate, all.
-        const int64_t last = i < n_new ? n_hist - n_new + i : n_hist - 1;
-        const scalar_t* qp = qr.at(row, h);
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t j = 0; j <= last; ++j) {
-          const scalar_t* kp = table + idx[ptr[b] + j / page_size] * t0 + (j % page_size) * t2 + h * t3;
-          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kp, t4, dim)) * inv_norm;
-          axpy(acc.data(), w, kp + t1, t4, dim);
-        }
-        if (i >= n_new) {  // a candidate also sees itself, from k/v (it is never in the table)
-          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(row, h), kr.s2, dim)) * inv_norm;
-          axpy(acc.data(), w, vr.at(row, h), vr.s2, dim);
-        }
-        scalar_t* op = o + row * o0 + h * o1;
-        for (int64_t d = 0; d < dim; ++d) op[d * o2] = static_cast<scalar_t>(acc[d]);
-      }
-    });
+  const Tensor k_table = kv_layer.select(1, 0), v_table = kv_layer.select(1, 1);  // [num_pages, P, H, D]
+  // NOTE: one task per user, each writing only its own output rows (no cross-task reduction), so repeated
+  // runs give the same bits; inside the parallel region a user's ATen ops run single-threaded.
+  at::parallel_for(0, bsz, 1, [&](int64_t lo, int64_t hi) {
+    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t n = qo[b + 1] - qo[b], n_hist = hist[b], n_new = newl[b];
+      if (n == 0) continue;
+      // the user's history K/V, gathered from its pages: [L, H, D]
+      const int64_t num_user_pages = n_hist / page_size + (n_hist % page_size != 0);
+      const Tensor pages = idx_t.narrow(0, ptr[b], num_user_pages);
+      const auto gather = [&](const Tensor& table) {
+        return table.index_select(0, pages).reshape({num_user_pages * page_size, heads, dim}).narrow(0, 0, n_hist);
+      };
+      attend_user(q.narrow(0, qo[b], n), k.narrow(0, qo[b], n), v.narrow(0, qo[b], n), gather(k_table),
+                  gather(v_table), n_new, n_hist - n_new, alpha, n_norm, out.narrow(0, qo[b], n));
+    }
   });
   return out;
 }
@@ -279,35 +274,17 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
                       " is outside [0, ", so[b + 1] - so[b], "] (the sequence length)");
   }
   Tensor out = at::empty_like(q);
-  const int64_t heads = q.size(1), dim = q.size(2);
   if (total == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gr_kv::hstu_attention_jagged", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const Rows<scalar_t> qr(q), kr(k), vr(v);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
-    const acc_t a = static_cast<acc_t>(alpha), inv_norm = static_cast<acc_t>(1.0 / n_norm);
-    at::parallel_for(0, total * heads, 16, [&](int64_t lo, int64_t hi) {
-      std::vector<acc_t> acc(dim);
-      for (int64_t task = lo; task < hi; ++task) {
-        const int64_t row = task / heads, h = task % heads;
-        const int64_t b = std::upper_bound(so, so + bsz + 1, row) - so - 1;
-        const int64_t start = so[b], i = row - start, n_hist = so[b + 1] - start - nc[b];
-        const scalar_t* qp = qr.at(row, h);
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        const int64_t last = i < n_hist ? i : n_hist - 1;  // causal history; a candidate: all history
-        for (int64_t j = 0; j <= last; ++j) {
-          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(start + j, h), kr.s2, dim)) * inv_norm;
-          axpy(acc.data(), w, vr.at(start + j, h), vr.s2, dim);
-        }
-        if (i >= n_hist) {  // and itself
-          const acc_t w = silu(a * dot<acc_t>(qp, qr.s2, kr.at(row, h), kr.s2, dim)) * inv_norm;
-          axpy(acc.data(), w, vr.at(row, h), vr.s2, dim);
-        }
-        scalar_t* op = o + row * o0 + h * o1;
-        for (int64_t d = 0; d < dim; ++d) op[d * o2] = static_cast<scalar_t>(acc[d]);
-      }
-    });
+  // NOTE: as in paged_hstu_attention: one task per user, disjoint output rows, no cross-task reduction.
+  at::parallel_for(0, bsz, 1, [&](int64_t lo, int64_t hi) {
+    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t start = so[b], n = so[b + 1] - start, n_hist = n - nc[b];
+      if (n == 0) continue;
+      const Tensor qu = q.narrow(0, start, n), ku = k.narrow(0, start, n), vu = v.narrow(0, start, n);
+      attend_user(qu, ku, vu, ku.narrow(0, 0, n_hist), vu.narrow(0, 0, n_hist), n_hist, 0, alpha, n_norm,
+                  out.narrow(0, start, n));
+    }
   });
   return out;
 }
