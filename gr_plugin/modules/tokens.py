@@ -22,6 +22,7 @@ CANDIDATE_KEYS = ("item",)
 EMBEDDING_KEYS = ("item", "action", "time", "position")
 
 _ITEM_BITS, _ACTION_BITS, _TIME_BITS = 39, 8, 16
+_HOST_NUMPY = True  # CPU layouts through `_host_layout` (tests switch it off to check the torch path there)
 
 
 def validate_values(history: KeyedJaggedTensor, candidates: KeyedJaggedTensor, *, num_items: int,
@@ -137,7 +138,8 @@ def build_token_layout(
     cand_len = candidates.lengths().to(torch.int64)
     device = hist_len.device
     cached = torch.zeros_like(hist_len) if cached_lengths is None else cached_lengths.to(torch.int64)
-    if device.type == "cpu" and (cached.device.type == "cpu") and candidates.values().device.type == "cpu":
+    on_host = device.type == cached.device.type == candidates.values().device.type == "cpu"
+    if _HOST_NUMPY and on_host:
         return _host_layout(hist_len, hist_vals, cand_len, candidates.values().to(torch.int64), cached,
                             max_positions, max_q_len)
     new_len = hist_len - cached

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gr_plugin.modules import tokens
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, HISTORY_KEYS, build_token_layout, validate_values
 
 
@@ -41,9 +42,11 @@ def _reference(cols, hist_lens, cand_lens, cached, max_positions):
     return feats, q_lens, new_rows, cand_rows
 
 
+@pytest.mark.parametrize("numpy_path", [True, False])
 @pytest.mark.parametrize("host_ints", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_layout_matches_the_per_user_reference(seed, host_ints):
+def test_layout_matches_the_per_user_reference(seed, host_ints, numpy_path, monkeypatch):
+    monkeypatch.setattr(tokens, "_HOST_NUMPY", numpy_path)  # False: the torch ops a device runs
     g = torch.Generator().manual_seed(seed)
     b = int(torch.randint(1, 6, (1,), generator=g))
     hist_lens = torch.randint(1, 40, (b,), generator=g).tolist()
