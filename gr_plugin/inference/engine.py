@@ -18,7 +18,7 @@ from gr_plugin.cache import BatchPlan
 from gr_plugin.data import RequestBatch
 from gr_plugin.inference.inputs import batch_cache_keys, batch_to_kjts, host_batch
 from gr_plugin.modules import HSTURanker, KVCacheModule
-from gr_plugin.modules.tokens import TokenLayout, build_token_layout
+from gr_plugin.modules.tokens import TokenLayout, build_token_layout, keys_fit
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class RankingEngine:
         self.cache = cache
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.validate = validate
+        c = model.config
+        # NOTE: ids validated against the model's tables already fit the cache key's bit fields.
+        self._keys_checked = validate and keys_fit(c.num_items, c.num_actions, c.num_time_buckets)
         self.graphs = None
         if cuda_graphs and cache is not None and self.device.type == "cuda":
             from gr_plugin.modules.graphs import CachedStackGraphs
@@ -78,7 +81,8 @@ class RankingEngine:
             self.model.validate(history, candidates)
         lookup = None
         if self.cache is not None:
-            lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
+            keys = batch_cache_keys(host, check=not self._keys_checked)
+            lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), keys)
         total = int(host.history_lengths.sum())
         cand = host.candidate_lengths
         num_cand, max_cand = int(cand.sum()), int(cand.max())

@@ -41,7 +41,8 @@ def batch_to_kjts(batch: RequestBatch) -> tuple[KeyedJaggedTensor, KeyedJaggedTe
     return history, candidates
 
 
-def batch_cache_keys(batch: RequestBatch) -> torch.Tensor:
-    """int64 CPU ``[sum(L)]``: one cache identity per history event (see `cache_token_keys`)."""
+def batch_cache_keys(batch: RequestBatch, *, check: bool = True) -> torch.Tensor:
+    """int64 CPU ``[sum(L)]``: one cache identity per history event (see `cache_token_keys`;
+    ``check=False`` only for a batch already validated against tables that `keys_fit`)."""
     host = host_batch(batch)
-    return cache_token_keys(host.history_items, host.history_ratings, host.history_time_buckets)
+    return cache_token_keys(host.history_items, host.history_ratings, host.history_time_buckets, check=check)

@@ -237,15 +237,23 @@ def _host_layout(hist_len: torch.Tensor, hist_vals: torch.Tensor, cand_len: torc
     )
 
 
-def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: torch.Tensor) -> torch.Tensor:
+def keys_fit(num_items: int, num_actions: int, num_time_buckets: int) -> bool:
+    """Whether every id that passes `validate_values` for these table sizes packs losslessly."""
+    return num_items < 1 << _ITEM_BITS and num_actions <= 1 << _ACTION_BITS and num_time_buckets <= 1 << _TIME_BITS
+
+
+def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: torch.Tensor, *,
+                     check: bool = True) -> torch.Tensor:
     """One int64 identity per history event: ``item << 24 | action << 16 | time_bucket``.
 
     Lossless within the checked ranges (item < 2**39, action < 2**8, time bucket < 2**16), so two
     histories share a cache key sequence only if every embedded feature agrees. CPU tensors.
+    ``check=False`` skips the range checks: only for ids already validated against tables for
+    which `keys_fit` holds.
     """
     for name, t, bits in (("item", items, _ITEM_BITS), ("action", actions, _ACTION_BITS),
                           ("time bucket", time_buckets, _TIME_BITS)):
-        if t.numel():
+        if check and t.numel():
             tmin, tmax = (int(v) for v in torch.aminmax(t))
             if tmin < 0 or tmax >= 1 << bits:
                 raise ValueError(f"{name} id {tmin if tmin < 0 else tmax} is outside [0, 2**{bits}) "

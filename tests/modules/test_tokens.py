@@ -87,3 +87,14 @@ def test_validate_names_an_out_of_range_id():
     bad = KeyedJaggedTensor(keys=["item"], values=torch.tensor([7, 101, 3]), lengths=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=r"candidate item id 101 is outside the table range \[1, 100\]"):
         validate_values(history, bad, num_items=100, num_actions=6, num_time_buckets=8)
+
+
+def test_cache_keys_without_checks_are_the_same_keys_and_fit_only_validated_tables():
+    from gr_plugin.modules.tokens import cache_token_keys, keys_fit
+
+    items, actions, times = torch.tensor([1, 2**38, 7]), torch.tensor([0, 255, 3]), torch.tensor([0, 65535, 9])
+    assert torch.equal(cache_token_keys(items, actions, times, check=False), cache_token_keys(items, actions, times))
+    with pytest.raises(ValueError, match="action id 256 is outside"):
+        cache_token_keys(items, torch.tensor([0, 256, 3]), times)
+    assert keys_fit(3706, 6, 32) and keys_fit(2**39 - 1, 256, 65536)
+    assert not keys_fit(2**39, 6, 32) and not keys_fit(10, 257, 32) and not keys_fit(10, 6, 65537)
