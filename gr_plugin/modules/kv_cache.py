@@ -85,7 +85,11 @@ class KVCacheModule(nn.Module):
             lookup = self.lookup(lookup_or_users, history_lengths, token_keys)
         plan = self.manager.allocate(lookup)
         if plan is not None:
-            self.manager.onboard_launch(plan)
+            try:
+                self.manager.onboard_launch(plan)
+            except BaseException:
+                self.manager.abort(plan)  # NOTE: else its users would stay in flight
+                raise
         return plan
 
     def commit(self, plan: BatchPlan) -> None:

@@ -31,13 +31,16 @@ logger = logging.getLogger(__name__)
 
 def build_service(cfg: ServeConfig) -> tuple[RankingService, str]:
     """The replica's `RankingService` and a description of its weights."""
-    torch.manual_seed(cfg.seed)
-    device = pick_device(cfg.device)
-    module, weights = _load_or_train(cfg)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if cfg.dtype not in dtypes:
         raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {cfg.dtype!r}")
+    if cfg.kvcache is not None and cfg.kvcache.dtype not in (None, cfg.dtype):
+        raise ValueError(f"kvcache.dtype={cfg.kvcache.dtype!r} differs from the replica's dtype={cfg.dtype!r}: "
+                         "the cache holds the model's K/V, so leave kvcache.dtype unset or equal")
     dtype = dtypes[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.device)
+    module, weights = _load_or_train(cfg)
     model = module.model.to(device=device, dtype=dtype).eval()
     cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
     limits = RequestLimits.for_model(cfg.model, max_users=cfg.triton.max_batch_size,

@@ -54,3 +54,13 @@ def test_replica_dtype_is_checked_and_applied(tiny_ckpt):
     cfg.dtype = "float64"
     with pytest.raises(ValueError, match=r"dtype must be one of .* got 'float64'"):
         build_service(cfg)
+
+
+def test_replica_dtype_and_an_explicit_kvcache_dtype_must_agree(tiny_ckpt):
+    from gr_plugin.serving.app import build_service
+    from tests.serving.helpers import MODEL_OVERRIDES
+
+    cfg = OmegaConf.to_object(_compose("serve", [*MODEL_OVERRIDES, f"ckpt_path={tiny_ckpt}", "kvcache=native",
+                                                 "dtype=bfloat16", "kvcache.dtype=float32"]))
+    with pytest.raises(ValueError, match=r"kvcache.dtype='float32' differs from the replica's dtype='bfloat16'"):
+        build_service(cfg)

@@ -31,7 +31,7 @@ int64_t parse_int(const std::string& text, const std::string& what) {
 
 int64_t Array::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) n *= d;  // NOTE: cannot wrap: Stream::load bounds the product by the file size
   return n;
 }
 
@@ -79,16 +79,26 @@ Stream Stream::load(const std::string& dir) {
     }
     Array a;
     a.dtype = parts[2];
-    for (size_t i = 3; i < parts.size(); ++i) {
-      const int64_t d = parse_int(parts[i], head + ": array " + parts[1] + " dim");
-      if (d < 0) throw StreamError(head + ": array " + parts[1] + " has negative dim " + str(d));
-      a.shape.push_back(d);
+    // NOTE: names are plain (no path separators): the header cannot point outside the stream.
+    if (parts[1].find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
+        std::string::npos) {
+      throw StreamError(head + ": array name '" + parts[1] + "' must be letters, digits and '_'");
     }
     const std::string file = dir + "/" + parts[1] + ".bin";
     std::ifstream bin(file, std::ios::binary | std::ios::ate);
     if (!bin) throw StreamError("cannot open " + file);
     const int64_t size = static_cast<int64_t>(bin.tellg());
-    const int64_t want = a.numel() * (a.dtype == "int64" ? 8 : 4);
+    // NOTE: the byte count is built dim by dim and bounded by the file size, so it cannot wrap.
+    int64_t want = a.dtype == "int64" ? 8 : 4;
+    for (size_t i = 3; i < parts.size(); ++i) {
+      const int64_t d = parse_int(parts[i], head + ": array " + parts[1] + " dim");
+      if (d < 0) throw StreamError(head + ": array " + parts[1] + " has negative dim " + str(d));
+      if (d != 0 && want > size / d) {
+        throw StreamError(file + " has " + str(size) + " bytes, fewer than the header's shape needs");
+      }
+      want *= d;
+      a.shape.push_back(d);
+    }
     if (size != want) {
       throw StreamError(file + " has " + str(size) + " bytes, the header says " + str(want));
     }
@@ -143,6 +153,11 @@ void Stream::validate() {
                         " history events and " + str(C) + " candidates; at least 1 of each is required");
     }
     if (c < 0 || c > L) throw StreamError("user visit " + str(u) + " has cached length " + str(c) + " outside [0, " + str(L) + "]");
+    // NOTE: each length is bounded by what is left of its array before it is summed: no wrap.
+    if (L > events.shape[0] - hist_off_.back() || C > items.numel() - cand_off_.back()) {
+      throw StreamError("user visit " + str(u) + ": " + str(L) + " history events / " + str(C) +
+                        " candidates run past history_events / candidate_items");
+    }
     hist_off_.push_back(hist_off_.back() + L);
     cand_off_.push_back(cand_off_.back() + C);
   }
@@ -184,7 +199,10 @@ void Stream::validate() {
     }
     input_off_.assign(1, 0);
     for (int64_t i = 0; i < sizes.numel(); ++i) {
-      if (sizes.i64()[i] < 0) throw StreamError("input_sizes has a negative size " + str(sizes.i64()[i]));
+      if (sizes.i64()[i] < 0 || sizes.i64()[i] > values.numel() - input_off_.back()) {
+        throw StreamError("input_sizes entry " + str(i) + " = " + str(sizes.i64()[i]) + " is negative or runs past "
+                          "input_values (" + str(values.numel()) + " entries)");
+      }
       input_off_.push_back(input_off_.back() + sizes.i64()[i]);
     }
     if (input_off_.back() != values.numel()) {
