@@ -119,6 +119,8 @@ def read_stream(path: str | Path) -> Stream:
             if len(parts) < 4 or parts[2] not in _DTYPES:
                 raise ValueError(f"{head}: bad array line {line!r}")
             name, dtype, shape = parts[1], _DTYPES[parts[2]], [int(d) for d in parts[3:]]
+            if not re.fullmatch(r"[A-Za-z0-9_]+", name) or any(d < 0 for d in shape):
+                raise ValueError(f"{head}: bad array line {line!r} (names: letters, digits, _; dims >= 0)")
             data = (path / f"{name}.bin").read_bytes()
             want = dtype.itemsize
             for d in shape:

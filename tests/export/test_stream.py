@@ -69,3 +69,11 @@ def test_stream_errors(tmp_path):
         read_stream(path)
     with pytest.raises(ValueError, match="is not a stream"):
         read_stream(tmp_path / "missing")
+
+
+def test_array_names_cannot_leave_the_stream_directory(tmp_path):
+    from gr_plugin.export.stream import FORMAT, VERSION, read_stream
+
+    (tmp_path / "header.txt").write_text(f"{FORMAT} {VERSION}\narray ../x int64 1\n")
+    with pytest.raises(ValueError, match="bad array line"):
+        read_stream(tmp_path)
