@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "gr_kv_core"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "binding.cpp")
+SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "binding.cpp", "request_ops.cpp")
 CFLAGS = ("-O2", "-std=c++17")
 
 _lock = threading.Lock()

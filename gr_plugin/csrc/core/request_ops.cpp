@@ -1,0 +1,281 @@
+// Tensor-only request-level cache ops in the gr_kv namespace: torch.ops.gr_kv.cache_{create, lookup,
+// allocate, commit, abort, destroy}, over a process-wide registry of CacheCore instances.
+//
+// Owns the registry (handle -> core, one lock per core) and the tensor boundary: dtype, device, shape
+// and value checks, all before the core is touched, raising ValueError naming the value. The policy
+// is kv_core.h's; this file adds no lower tiers (host pages are always 0) and no caller digests (the
+// core must hash with libxxhash). Schemas are frozen once released: docs/EXPORT.md.
+//
+// A cache is addressed by a `state` tensor, int64 CPU [2] = (handle, epoch): ops that change the
+// cache take it as `Tensor(a!)` and write the cache's new epoch into it, so traced graphs keep them
+// (a mutated input is never dead code) and order them after the ops that read the state before.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kv_core.h"
+
+namespace gr_kv_core {
+namespace {
+
+constexpr int64_t kPlanFields = 6;  // status, plan id, batch index, demand, evicted users, evicted pages
+
+struct Slot {
+  std::mutex mu;
+  CacheCore core;
+  int64_t epoch = 0;
+  Slot(int64_t num_pages, int64_t page_size) : core(num_pages, page_size) {}
+};
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<int64_t, std::shared_ptr<Slot>> slots;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // NOTE: never destroyed: ops may run during static teardown
+  return *r;
+}
+
+template <typename Fn>
+auto value_errors(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+    throw;  // unreachable
+  }
+}
+
+void check_int64_cpu(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+std::shared_ptr<Slot> slot_of(const at::Tensor& state) {
+  check_int64_cpu(state, "state", 1);
+  TORCH_CHECK_VALUE(state.size(0) == 2, "state must have shape [2] (handle, epoch), got ", state.sizes());
+  const int64_t handle = state[0].item<int64_t>();
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.slots.find(handle);
+  TORCH_CHECK_VALUE(it != r.slots.end(), "state names no live cache (handle ", handle, ")");
+  return it->second;
+}
+
+std::vector<int64_t> as_vector(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+// A request's histories: user_ids [B], history_lengths [B] (>= 0), tokens int64 CPU [sum(L)] or
+// [sum(L), F], contiguous. Returns the lengths; `refs` point into tokens.
+std::vector<int64_t> request_histories(const at::Tensor& history_lengths, const at::Tensor& tokens, int64_t batch,
+                                       std::vector<HistoryRef>* refs) {
+  check_int64_cpu(history_lengths, "history_lengths", 1);
+  TORCH_CHECK_VALUE(history_lengths.size(0) == batch, "history_lengths has ", history_lengths.size(0),
+                    " entries for ", batch, " users");
+  std::vector<int64_t> lengths = as_vector(history_lengths);
+  int64_t rows = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    TORCH_CHECK_VALUE(lengths[b] >= 0, "negative history length ", lengths[b], " at index ", b);
+    TORCH_CHECK_VALUE(lengths[b] <= INT64_MAX - rows, "history lengths overflow int64");
+    rows += lengths[b];
+  }
+  TORCH_CHECK_VALUE(tokens.scalar_type() == at::kLong, "tokens must be int64, got ", tokens.scalar_type());
+  TORCH_CHECK_VALUE(tokens.device().is_cpu(), "tokens must be on the CPU, got ", tokens.device());
+  TORCH_CHECK_VALUE(tokens.dim() == 1 || tokens.dim() == 2, "tokens must be [sum(L)] or [sum(L), F], got shape ",
+                    tokens.sizes());
+  TORCH_CHECK_VALUE(tokens.is_contiguous(), "tokens must be contiguous");
+  TORCH_CHECK_VALUE(tokens.size(0) == rows, "tokens has ", tokens.size(0), " rows but history_lengths sum to ",
+                    rows);
+  const int64_t row_bytes = tokens.element_size() * (tokens.dim() == 2 ? tokens.size(1) : 1);
+  TORCH_CHECK_VALUE(row_bytes > 0, "tokens rows are empty (shape ", tokens.sizes(), ")");
+  const auto* base = static_cast<const uint8_t*>(tokens.data_ptr());
+  refs->assign(lengths.size(), HistoryRef{});
+  int64_t at = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    HistoryRef& h = (*refs)[b];
+    h.rows = base + at * row_bytes;
+    h.row_bytes = row_bytes;
+    h.length = lengths[b];
+    at += lengths[b];
+  }
+  return lengths;
+}
+
+std::vector<int64_t> request_users(const at::Tensor& user_ids) {
+  check_int64_cpu(user_ids, "user_ids", 1);
+  TORCH_CHECK_VALUE(user_ids.size(0) > 0, "empty batch: user_ids has no entries");
+  std::vector<int64_t> users = as_vector(user_ids);
+  std::unordered_set<int64_t> seen;
+  for (int64_t u : users) TORCH_CHECK_VALUE(seen.insert(u).second, "user ", u, " appears more than once in one batch");
+  return users;
+}
+
+at::Tensor to_tensor(const std::vector<int64_t>& v) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
+  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+  return t;
+}
+
+void publish_epoch(Slot& s, at::Tensor& state) { state[1].fill_(++s.epoch); }
+
+// ----------------------------------------------------------------------------------------- ops
+at::Tensor cache_create(int64_t num_pages, int64_t page_size, std::string name) {
+  TORCH_CHECK_VALUE(hashing_available(),
+                    "gr_kv::cache_create: the core was built without libxxhash; these ops hash token rows in C++");
+  TORCH_CHECK_VALUE(num_pages > 0, "num_pages must be > 0, got ", num_pages);
+  TORCH_CHECK_VALUE(page_size > 0, "page_size must be > 0, got ", page_size);
+  TORCH_CHECK_VALUE(!name.empty(), "namespace must be a non-empty string");
+  auto slot = value_errors([&] { return std::make_shared<Slot>(num_pages, page_size); });
+  value_errors([&] { return slot->core.set_namespace(name, namespace_seed(name)); });
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const int64_t handle = r.next++;
+  r.slots.emplace(handle, std::move(slot));
+  return to_tensor({handle, 0});
+}
+
+at::Tensor cache_lookup(const at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths,
+                        const at::Tensor& tokens) {
+  auto slot = slot_of(state);
+  const std::vector<int64_t> users = request_users(user_ids);
+  std::vector<HistoryRef> refs;
+  request_histories(history_lengths, tokens, static_cast<int64_t>(users.size()), &refs);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  return value_errors([&] {
+    std::vector<int64_t> dev(users.size());
+    int64_t version = 0;
+    for (size_t b = 0; b < users.size(); ++b) dev[b] = slot->core.match(users[b], refs[b], &version);
+    return to_tensor(dev);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_allocate(
+    at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths, const at::Tensor& tokens) {
+  auto slot = slot_of(state);
+  const std::vector<int64_t> users = request_users(user_ids);
+  const int64_t B = static_cast<int64_t>(users.size());
+  std::vector<HistoryRef> refs;
+  const std::vector<int64_t> lengths = request_histories(history_lengths, tokens, B, &refs);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  CacheCore& core = slot->core;
+  // NOTE: match and allocate under one lock, so the versions cannot change in between (no kChanged).
+  AllocResult r = value_errors([&] {
+    std::vector<int64_t> dev(B), versions(B);
+    for (int64_t b = 0; b < B; ++b) dev[b] = core.match(users[b], refs[b], &versions[b]);
+    return core.allocate(users, lengths, dev, versions, std::vector<int64_t>(B, 0));
+  });
+  const bool ok = r.status == AllocStatus::kOk;
+  at::Tensor plan = to_tensor({static_cast<int64_t>(r.status), ok ? r.plan_id : -1,
+                               r.status == AllocStatus::kInFlight ? r.index : -1, r.demand, r.evicted.users,
+                               r.evicted.pages});
+  if (!ok) {
+    at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor zeros_b1 = at::zeros({B + 1}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor zeros_b = at::zeros({B}, at::TensorOptions().dtype(at::kLong));
+    return std::make_tuple(plan, none, zeros_b1, zeros_b, none.clone());
+  }
+  publish_epoch(*slot, state);
+  // The packed buffer's fields (kMetadataFields order): kv_indptr [B+1], kv_last_page_len [B],
+  // cached_lengths [B], new_lengths [B], total_lengths [B], new_offsets [B+1], total_offsets [B+1],
+  // kv_indices [M], ...
+  const std::vector<int64_t>& buf = r.metadata.buffer;
+  const int64_t M = r.metadata.num_batch_pages, N = r.metadata.num_new_tokens, P = core.page_size();
+  const int64_t* indptr = buf.data();
+  const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
+  std::vector<int64_t> slots;
+  slots.reserve(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t pos = r.cached_lengths[b]; pos < lengths[b]; ++pos) {
+      slots.push_back(indices[indptr[b] + pos / P] * P + pos % P);
+    }
+  }
+  return std::make_tuple(plan, to_tensor(std::vector<int64_t>(indices, indices + M)),
+                         to_tensor(std::vector<int64_t>(indptr, indptr + B + 1)), to_tensor(r.cached_lengths),
+                         to_tensor(slots));
+}
+
+int64_t plan_id_of(const at::Tensor& plan) {
+  check_int64_cpu(plan, "plan", 1);
+  TORCH_CHECK_VALUE(plan.size(0) == kPlanFields, "plan must have shape [", kPlanFields, "], got ", plan.sizes());
+  const int64_t status = plan[0].item<int64_t>();
+  TORCH_CHECK_VALUE(status == static_cast<int64_t>(AllocStatus::kOk), "plan has status ", status,
+                    " (allocate refused it): there is nothing to commit or abort");
+  return plan[1].item<int64_t>();
+}
+
+void cache_commit(at::Tensor& state, const at::Tensor& plan, const at::Tensor& history_lengths,
+                  const at::Tensor& tokens) {
+  auto slot = slot_of(state);
+  const int64_t plan_id = plan_id_of(plan);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  const int64_t B = value_errors([&] { return static_cast<int64_t>(slot->core.plan_users(plan_id).size()); });
+  std::vector<HistoryRef> refs;
+  request_histories(history_lengths, tokens, B, &refs);
+  value_errors([&] { return slot->core.commit(plan_id, refs), 0; });
+  publish_epoch(*slot, state);
+}
+
+void cache_abort(at::Tensor& state, const at::Tensor& plan) {
+  auto slot = slot_of(state);
+  const int64_t plan_id = plan_id_of(plan);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  value_errors([&] { return slot->core.abort(plan_id), 0; });
+  publish_epoch(*slot, state);
+}
+
+void cache_destroy(at::Tensor& state) {
+  auto slot = slot_of(state);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  TORCH_CHECK_VALUE(slot->core.num_plans() == 0, slot->core.num_plans(),
+                    " steps are in flight; commit or abort them before destroying the cache");
+  const int64_t handle = state[0].item<int64_t>();
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> rlock(r.mu);
+    r.slots.erase(handle);
+  }
+  state[0].fill_(-1);
+  publish_epoch(*slot, state);
+}
+
+}  // namespace
+}  // namespace gr_kv_core
+
+// NOTE: a FRAGMENT: gr_plugin/csrc/gr_kv_ops.cpp defines the kernels of the same namespace.
+TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
+  m.def("cache_create(int num_pages, int page_size, str namespace) -> Tensor");
+  m.def("cache_lookup(Tensor state, Tensor user_ids, Tensor history_lengths, Tensor tokens) -> Tensor");
+  m.def("cache_allocate(Tensor(a!) state, Tensor user_ids, Tensor history_lengths, Tensor tokens) -> "
+        "(Tensor plan, Tensor kv_indices, Tensor kv_indptr, Tensor cached_lengths, Tensor new_token_slots)");
+  m.def("cache_commit(Tensor(a!) state, Tensor plan, Tensor history_lengths, Tensor tokens) -> ()");
+  m.def("cache_abort(Tensor(a!) state, Tensor plan) -> ()");
+  m.def("cache_destroy(Tensor(a!) state) -> ()");
+}
+
+// NOTE: CompositeExplicitAutograd, not CPU: cache_create has no tensor argument, and the others check
+// the device themselves (ValueError for a CUDA tensor, not a missing-kernel error).
+TORCH_LIBRARY_IMPL(gr_kv, CompositeExplicitAutograd, m) {
+  m.impl("cache_create", gr_kv_core::cache_create);
+  m.impl("cache_lookup", gr_kv_core::cache_lookup);
+  m.impl("cache_allocate", gr_kv_core::cache_allocate);
+  m.impl("cache_commit", gr_kv_core::cache_commit);
+  m.impl("cache_abort", gr_kv_core::cache_abort);
+  m.impl("cache_destroy", gr_kv_core::cache_destroy);
+}
