@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -37,7 +38,9 @@ def build_directory() -> Path:
     """Per torch build and Python ABI: a library built against another torch must not be loaded."""
     root = os.environ.get("GR_PLUGIN_BUILD_DIR") or Path.home() / ".cache" / "gr_plugin" / "ops"
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    return Path(root) / tag
+    # NOTE: and per source set: checkouts with other sources must not rebuild each other's library.
+    digest = hashlib.sha256(b"".join(Path(f).read_bytes() for f in SOURCES)).hexdigest()[:12]
+    return Path(root) / f"{tag}-{digest}"
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import hashlib
 import logging
 import os
 import shutil
@@ -50,7 +51,10 @@ def build_directory(with_xxhash: bool) -> Path:
     root = os.environ.get("GR_KV_CORE_BUILD_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "gr_plugin" / "torch_extensions"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return base / f"{NAME}-{tag}{'' if with_xxhash else '-noxxhash'}"
+    # NOTE: and per source set: checkouts with other sources (a worktree, a CI clone) must not
+    # rebuild each other's library under a running process.
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:12]
+    return base / f"{NAME}-{tag}-{digest}{'' if with_xxhash else '-noxxhash'}"
 
 
 def _ensure_ninja() -> None:
