@@ -15,8 +15,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gr_kv {
 namespace {
@@ -150,6 +152,13 @@ void append_kv_cpu(const Tensor& kv_layer, const Tensor& k, const Tensor& v, con
                       ") (num_pages * page_size)");
     TORCH_CHECK_VALUE(r[i] >= 0 && r[i] < k.size(0), "rows[", i, "] = ", r[i], " is outside [0, ", k.size(0),
                       ") (rows of k/v)");
+  }
+  {  // NOTE: two writes to one slot would race across parallel chunks: the result would depend on timing
+    std::vector<int64_t> sorted(s, s + n);
+    std::sort(sorted.begin(), sorted.end());
+    const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    TORCH_CHECK_VALUE(dup == sorted.end(), "slots has slot ", dup == sorted.end() ? 0 : *dup,
+                      " more than once (each new token needs its own slot)");
   }
   const int64_t heads = kv_layer.size(3), dim = kv_layer.size(4);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_layer.scalar_type(), "gr_kv::append_kv", [&] {

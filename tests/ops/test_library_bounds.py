@@ -3,6 +3,7 @@ in a forked child: without the checks these inputs crash the process (SIGFPE / S
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gr_plugin.ops.library  # noqa: F401  (loads the gr_kv ops)
@@ -29,3 +30,11 @@ def test_paged_attention_history_length_overflow_is_rejected():
     # checks pass for 0 pages, and the kernel reads kv_indices[0] of an empty tensor and on.
     outcome = run_in_child(lambda: _paged(torch.zeros(4, 2, 4, H, D), [2**63 - 1]))
     assert outcome[0] == "value_error", outcome
+
+
+def test_append_rejects_a_slot_written_twice_and_writes_nothing():
+    table = torch.zeros(2, 2, 4, H, D)
+    k = v = torch.ones(3, H, D)
+    with pytest.raises(ValueError, match="slots has slot 5 more than once"):
+        torch.ops.gr_kv.append_kv(table, k, v, torch.tensor([5, 1, 5]), torch.tensor([0, 1, 2]))
+    assert not table.any()
