@@ -97,3 +97,14 @@ def test_entries_view_calls_the_core_under_the_manager_lock():
         holder.join()
         reader.join()
     assert not ran_without_lock, "core.entry()/num_entries() ran while another thread held the manager lock"
+
+
+def test_namespace_ids_past_int32_are_rejected_not_aliased():
+    c = _core()
+    _, plan_id, _, _ = c.allocate([1], [8], [0], [-1], [0])
+    c.commit_rows(plan_id, [0, 8], torch.arange(8))
+    with pytest.raises(ValueError, match="namespace id 4294967296 is out of range"):
+        c.entry(2**32, 1)
+    with pytest.raises(ValueError, match="namespace id -1 is out of range"):
+        c.evict(-1, [1])
+    assert c.num_entries() == 1 and c.check() == ""

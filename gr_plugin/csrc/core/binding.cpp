@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -130,6 +131,12 @@ struct CoreHolder : torch::CustomClassHolder {
 
 using Core = c10::intrusive_ptr<CoreHolder>;
 using Pool = c10::intrusive_ptr<PoolHolder>;
+
+// A namespace id from Python, range-checked (the core keys namespaces by int32: 2**32 must not alias 0).
+int32_t ns_id(int64_t ns) {
+  TORCH_CHECK_VALUE(ns >= 0 && ns <= std::numeric_limits<int32_t>::max(), "namespace id ", ns, " is out of range");
+  return static_cast<int32_t>(ns);
+}
 
 uint64_t as_seed(int64_t s) { return static_cast<uint64_t>(s); }
 
@@ -277,12 +284,12 @@ TORCH_LIBRARY(gr_kv_core, m) {
            })
       .def("evict_blockers",
            [](const Core& s, int64_t ns, std::vector<int64_t> users) {
-             return guarded([&] { return s->core.evict_blockers(static_cast<int32_t>(ns), users); });
+             return guarded([&] { return s->core.evict_blockers(ns_id(ns), users); });
            })
       .def("evict",
            [](const Core& s, int64_t ns, std::vector<int64_t> users) {
              return guarded([&] {
-               Evicted ev = s->core.evict(static_cast<int32_t>(ns), users);
+               Evicted ev = s->core.evict(ns_id(ns), users);
                return std::vector<int64_t>{ev.users, ev.pages};
              });
            })
@@ -297,16 +304,16 @@ TORCH_LIBRARY(gr_kv_core, m) {
            [](const Core& s, int64_t n) { return guarded([&] { return s->core.reserve_scratch(n); }); })
       .def("add_offload",
            [](const Core& s, int64_t ns, int64_t user) {
-             guarded([&] { return s->core.add_offload(static_cast<int32_t>(ns), user), 0; });
+             guarded([&] { return s->core.add_offload(ns_id(ns), user), 0; });
            })
       .def("offload_done",
            [](const Core& s, int64_t ns, int64_t user) {
-             guarded([&] { return s->core.offload_done(static_cast<int32_t>(ns), user), 0; });
+             guarded([&] { return s->core.offload_done(ns_id(ns), user), 0; });
            })
       // entry -> ([num_tokens, in_plan, offloads, version], pages, page hashes [n, 2]); num_tokens -1: none
       .def("entry",
            [](const Core& s, int64_t ns, int64_t user) {
-             auto v = s->core.entry(static_cast<int32_t>(ns), user);
+             auto v = s->core.entry(ns_id(ns), user);
              if (!v.exists) {
                return std::make_tuple(std::vector<int64_t>{-1, 0, 0, -1}, to_tensor({}), digests_to_tensor({}));
              }
@@ -316,10 +323,10 @@ TORCH_LIBRARY(gr_kv_core, m) {
       .def("cached_tokens",
            [](const Core& s, int64_t ns, std::vector<int64_t> users) {
              std::vector<int64_t> out;
-             for (int64_t u : users) out.push_back(s->core.entry(static_cast<int32_t>(ns), u).num_tokens);
+             for (int64_t u : users) out.push_back(s->core.entry(ns_id(ns), u).num_tokens);
              return out;
            })
-      .def("lru_order", [](const Core& s, int64_t ns) { return s->core.lru_order(static_cast<int32_t>(ns)); })
+      .def("lru_order", [](const Core& s, int64_t ns) { return s->core.lru_order(ns_id(ns)); })
       .def("num_entries", [](const Core& s) { return s->core.num_entries(); })
       .def("plan_ids", [](const Core& s) { return s->core.plan_ids(); })
       .def("check", [](const Core& s) { return s->core.check(); })
