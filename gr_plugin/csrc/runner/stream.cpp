@@ -94,7 +94,8 @@ Stream Stream::load(const std::string& dir) {
       const int64_t d = parse_int(parts[i], head + ": array " + parts[1] + " dim");
       if (d < 0) throw StreamError(head + ": array " + parts[1] + " has negative dim " + str(d));
       if (d != 0 && want > size / d) {
-        throw StreamError(file + " has " + str(size) + " bytes, fewer than the header's shape needs");
+        throw StreamError(file + " has " + str(size) + " bytes, the header says more (dim " + str(d) + " of array " +
+                          parts[1] + ")");
       }
       want *= d;
       a.shape.push_back(d);
