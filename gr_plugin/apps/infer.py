@@ -27,14 +27,14 @@ from tqdm import tqdm
 
 from gr_plugin.apps import train as train_app
 from gr_plugin.apps.common import load_module, make_cache, make_datamodule, pick_device, resolve_backend
-from gr_plugin.configs.schema import InferConfig, TrainConfig
+from gr_plugin.configs.schema import InferConfig, TrainConfig, WeightsConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.lightning import HSTURankingModule
 
 logger = logging.getLogger(__name__)
 
 
-def _load_or_train(cfg: InferConfig) -> tuple[HSTURankingModule, str]:
+def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
     if cfg.ckpt_path:
         return load_module(cfg.ckpt_path, cfg.model), f"checkpoint {cfg.ckpt_path}"
     if Path(cfg.default_ckpt).is_file():

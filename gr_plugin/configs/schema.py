@@ -70,8 +70,10 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
-class InferConfig:
-    """``recipes.infer``: replay request batches with the cache and, side by side, without it."""
+class WeightsConfig:
+    """What the inference recipes (infer, export, serve) share: the model, its cache, and where its
+    weights come from (``ckpt_path``, else ``default_ckpt``, else trained when ``train_if_missing``;
+    ``data``/``trainer``/``train`` only matter then), and the device."""
 
     model: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
     data: DataOptions = dataclasses.field(default_factory=DataOptions)
@@ -82,6 +84,12 @@ class InferConfig:
     train_if_missing: bool = True
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     device: str = "auto"
+
+
+@dataclasses.dataclass
+class InferConfig(WeightsConfig):
+    """``recipes.infer``: replay request batches with the cache and, side by side, without it."""
+
     stage: str = "predict"
     max_batches: int | None = None
     compare: bool = True

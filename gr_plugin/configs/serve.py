@@ -9,13 +9,10 @@ error, as for the other recipes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from gr_plugin.configs.kvcache import KVCacheOptions
-from gr_plugin.configs.schema import DataOptions, TrainerOptions
-from gr_plugin.modules import HSTUConfig
+from gr_plugin.configs.schema import DataOptions, WeightsConfig
 
 
 @dataclasses.dataclass
@@ -52,7 +49,7 @@ class LimitOptions:
 
 
 @dataclasses.dataclass
-class ServeConfig:
+class ServeConfig(WeightsConfig):
     """``recipes.serve``: one replica. Weights as in ``recipes.infer`` (``ckpt_path``, else
     ``default_ckpt``, else train it when ``train_if_missing``; ``data``/``trainer``/``train`` only
     matter then). ``metrics_port``: the replica's own ``/metrics`` (serving and cache counters; 0:
@@ -60,15 +57,6 @@ class ServeConfig:
     ``dtype``: what the model runs in (``bfloat16`` on a GPU uses the tensor-core kernels).
     Replicas that share a Redis tier must use one ``kvcache.namespace`` per model version."""
 
-    model: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
-    data: DataOptions = dataclasses.field(default_factory=DataOptions)
-    trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
-    kvcache: KVCacheOptions | None = None
-    ckpt_path: str | None = None
-    default_ckpt: str = "outputs/checkpoints/hstu-ml1m.ckpt"
-    train_if_missing: bool = True
-    train: dict[str, Any] = dataclasses.field(default_factory=dict)
-    device: str = "auto"
     dtype: str = "float32"  # the replica's weights and activations: float32 | bfloat16 | float16
     seed: int = 0
     replica_id: int = 0

@@ -75,6 +75,16 @@ void check_float(const Tensor& q) {
                     "q must be a floating tensor (float32, float64, float16, bfloat16), got ", dtype_name(t));
 }
 
+// q, k, v of an attention op: one floating dtype and one device.
+void check_qkv_types(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                        q.device() == k.device() && v.device() == k.device(),
+                    "q, k, v must share a dtype and device, got ", dtype_name(q.scalar_type()), " on ", q.device(),
+                    ", ", dtype_name(k.scalar_type()), " on ", k.device(), ", ", dtype_name(v.scalar_type()),
+                    " on ", v.device());
+  check_float(q);
+}
+
 // offsets [B+1]: 0, non-decreasing, ending at `total` rows.
 void check_offsets(const char* name, const Tensor& offsets, int64_t total, const char* rows) {
   const auto o = offsets.accessor<int64_t, 1>();
@@ -192,12 +202,7 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
   check_table(kv_layer, k, "k");
   TORCH_CHECK_VALUE(q.sizes() == k.sizes() && v.sizes() == k.sizes(), "q, k, v must share a shape, got ",
                     shape_str(q), ", ", shape_str(k), ", ", shape_str(v));
-  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                        q.device() == k.device() && v.device() == k.device(),
-                    "q, k, v must share a dtype and device, got ", dtype_name(q.scalar_type()), " on ", q.device(),
-                    ", ", dtype_name(k.scalar_type()), " on ", k.device(), ", ", dtype_name(v.scalar_type()),
-                    " on ", v.device());
-  check_float(q);
+  check_qkv_types(q, k, v);
   const std::pair<const char*, const Tensor*> index_args[] = {
       {"kv_indices", &kv_indices}, {"kv_indptr", &kv_indptr}, {"history_lengths", &history_lengths},
       {"q_offsets", &q_offsets}, {"new_lengths", &new_lengths}};
@@ -264,12 +269,7 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
   TORCH_CHECK_VALUE(q.sizes() == k.sizes() && v.sizes() == k.sizes() && q.dim() == 3,
                     "q, k, v must share a [T, H, D] shape, got ", shape_str(q), ", ", shape_str(k), ", ",
                     shape_str(v));
-  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                        q.device() == k.device() && v.device() == k.device(),
-                    "q, k, v must share a dtype and device, got ", dtype_name(q.scalar_type()), " on ", q.device(),
-                    ", ", dtype_name(k.scalar_type()), " on ", k.device(), ", ", dtype_name(v.scalar_type()),
-                    " on ", v.device());
-  check_float(q);
+  check_qkv_types(q, k, v);
   check_index("seq_offsets", seq_offsets, q.device());
   check_index("num_candidates", num_candidates, q.device());
   TORCH_CHECK_VALUE(n_norm > 0, "n_norm must be > 0, got ", n_norm);

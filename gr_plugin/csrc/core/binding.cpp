@@ -18,26 +18,10 @@
 #include <vector>
 
 #include "kv_core.h"
+#include "torch_glue.h"
 
 namespace gr_kv_core {
 namespace {
-
-// Runs `fn`, turning the core's bad-input errors into ValueError.
-template <typename Fn>
-auto guarded(Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-    throw;  // unreachable: the check above throws
-  }
-}
-
-at::Tensor to_tensor(const std::vector<int64_t>& v) {
-  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
-  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
-  return t;
-}
 
 at::Tensor digests_to_tensor(const std::vector<Digest>& d) {
   at::Tensor t = at::empty({static_cast<int64_t>(d.size()), 2}, at::TensorOptions().dtype(at::kLong));

@@ -14,7 +14,6 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -25,6 +24,7 @@
 #include <vector>
 
 #include "kv_core.h"
+#include "torch_glue.h"
 
 namespace gr_kv_core {
 namespace {
@@ -47,16 +47,6 @@ struct Registry {
 Registry& registry() {
   static Registry* r = new Registry();  // NOTE: never destroyed: ops may run during static teardown
   return *r;
-}
-
-template <typename Fn>
-auto value_errors(Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-    throw;  // unreachable
-  }
 }
 
 void check_int64_cpu(const at::Tensor& t, const char* name, int64_t dim) {
@@ -127,12 +117,6 @@ std::vector<int64_t> request_users(const at::Tensor& user_ids) {
   return users;
 }
 
-at::Tensor to_tensor(const std::vector<int64_t>& v) {
-  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
-  if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
-  return t;
-}
-
 void publish_epoch(Slot& s, at::Tensor& state) { state[1].fill_(++s.epoch); }
 
 // ----------------------------------------------------------------------------------------- ops
@@ -142,8 +126,8 @@ at::Tensor cache_create(int64_t num_pages, int64_t page_size, std::string name) 
   TORCH_CHECK_VALUE(num_pages > 0, "num_pages must be > 0, got ", num_pages);
   TORCH_CHECK_VALUE(page_size > 0, "page_size must be > 0, got ", page_size);
   TORCH_CHECK_VALUE(!name.empty(), "namespace must be a non-empty string");
-  auto slot = value_errors([&] { return std::make_shared<Slot>(num_pages, page_size); });
-  value_errors([&] { return slot->core.set_namespace(name, namespace_seed(name)); });
+  auto slot = guarded([&] { return std::make_shared<Slot>(num_pages, page_size); });
+  guarded([&] { return slot->core.set_namespace(name, namespace_seed(name)); });
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   const int64_t handle = r.next++;
@@ -158,7 +142,7 @@ at::Tensor cache_lookup(const at::Tensor& state, const at::Tensor& user_ids, con
   std::vector<HistoryRef> refs;
   request_histories(history_lengths, tokens, static_cast<int64_t>(users.size()), &refs);
   std::lock_guard<std::mutex> lock(slot->mu);
-  return value_errors([&] {
+  return guarded([&] {
     std::vector<int64_t> dev(users.size());
     int64_t version = 0;
     for (size_t b = 0; b < users.size(); ++b) dev[b] = slot->core.match(users[b], refs[b], &version);
@@ -176,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_all
   std::lock_guard<std::mutex> lock(slot->mu);
   CacheCore& core = slot->core;
   // NOTE: match and allocate under one lock, so the versions cannot change in between (no kChanged).
-  AllocResult r = value_errors([&] {
+  AllocResult r = guarded([&] {
     std::vector<int64_t> dev(B), versions(B);
     for (int64_t b = 0; b < B; ++b) dev[b] = core.match(users[b], refs[b], &versions[b]);
     return core.allocate(users, lengths, dev, versions, std::vector<int64_t>(B, 0));
@@ -225,10 +209,10 @@ void cache_commit(at::Tensor& state, const at::Tensor& plan, const at::Tensor& h
   auto slot = slot_of(state);
   const int64_t plan_id = plan_id_of(plan);
   std::lock_guard<std::mutex> lock(slot->mu);
-  const int64_t B = value_errors([&] { return static_cast<int64_t>(slot->core.plan_users(plan_id).size()); });
+  const int64_t B = guarded([&] { return static_cast<int64_t>(slot->core.plan_users(plan_id).size()); });
   std::vector<HistoryRef> refs;
   request_histories(history_lengths, tokens, B, &refs);
-  value_errors([&] { return slot->core.commit(plan_id, refs), 0; });
+  guarded([&] { return slot->core.commit(plan_id, refs), 0; });
   publish_epoch(*slot, state);
 }
 
@@ -236,7 +220,7 @@ void cache_abort(at::Tensor& state, const at::Tensor& plan) {
   auto slot = slot_of(state);
   const int64_t plan_id = plan_id_of(plan);
   std::lock_guard<std::mutex> lock(slot->mu);
-  value_errors([&] { return slot->core.abort(plan_id), 0; });
+  guarded([&] { return slot->core.abort(plan_id), 0; });
   publish_epoch(*slot, state);
 }
 
