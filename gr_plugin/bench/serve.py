@@ -48,10 +48,11 @@ def run(workloads: tuple[str, ...] = ("ml1m", "long"), kvcache: tuple[str, ...] 
         num_requests: int = 400, num_threads: int = 4, max_users: int | dict[str, int] | None = None,
         ckpt_path: str | None = None, model: str = "hstu_small", max_queue_delay_us: int = 2000,
         warmup_requests: int = 20, server_overrides: tuple[str, ...] = (),
-        startup_timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        startup_timeout_s: float = 300.0, log_dir: str | None = None) -> list[dict[str, Any]]:
     """One row per (workload, ``kvcache`` option). Weights: ``ckpt_path``, else the default
     checkpoint of ``recipes.train`` if it exists, else random (latency does not depend on them).
-    ``max_users``: users of each workload (default 300 for ml1m, 64 for long)."""
+    ``max_users``: users of each workload (default 300 for ml1m, 64 for long). ``log_dir``: where
+    each replica's log is copied after it stops (else it goes with the temporary directory)."""
     users = {"ml1m": 300, "long": 64}
     if isinstance(max_users, int):
         users = dict.fromkeys(users, max_users)
@@ -85,6 +86,9 @@ def run(workloads: tuple[str, ...] = ("ml1m", "long"), kvcache: tuple[str, ...] 
                     rows.append(row)
                 finally:
                     code = server.stop()
+                    if log_dir:
+                        Path(log_dir).mkdir(parents=True, exist_ok=True)
+                        (Path(log_dir) / f"{server.name}.log").write_text(server.log())
                     if code != 0:
                         logger.warning("%s exited with %s; log tail:\n%s", server.name, code, server.log()[-3000:])
     return rows

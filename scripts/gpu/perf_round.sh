@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU performance checks (results under $OUT):
+#   kernel GPU tests with the tanh.approx SiLU, e2e at bs 8 and 1, the e2e profile at bs 8,
+#   step_host on this host, the block table's 4096/3968 rows.
+# Usage (device):  source scripts/gpu/setup_device.sh && bash scripts/gpu/perf_round.sh [parts...]
+parts=${*:-"kernels e2e profile step_host block"}
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+for p in $parts; do
+  echo "=== $p ($(date +%T))"
+  case $p in
+    kernels) GR_PLUGIN_FAST_SILU=1 python3 -m pytest -q -x tests/ops/test_triton_attention.py tests/ops/test_hstu_attention.py \
+               2>&1 | tail -15 | tee "$out/kernels.txt" ;;
+    e2e) python3 -m recipes.bench suite=e2e 'e2e.batch_sizes=[8,1]' out_dir="$out" hydra/job_logging=disabled \
+           2>&1 | tail -30 | tee "$out/e2e.txt" ;;
+    profile) python3 scripts/gpu/profile_e2e.py 8 > "$out/profile.txt" 2>&1; head -5 "$out/profile.txt" ;;
+    step_host) OMP_NUM_THREADS=1 python3 -m recipes.bench suite=step_host step_host.repeats=200 out_dir="$out" \
+                 hydra/job_logging=disabled 2>&1 | tail -12 | tee "$out/step_host.txt" ;;
+    block) python3 -m recipes.bench suite=block 'block.parts=[block]' \
+             '+block.block_kwargs.histories=[[4096,3968]]' '+block.block_kwargs.batch_sizes=[1,8]' out_dir="$out" \
+             hydra/job_logging=disabled 2>&1 | tail -20 | tee "$out/block.txt" ;;
+  esac
+done
