@@ -48,7 +48,7 @@ def build_service(cfg: ServeConfig) -> tuple[RankingService, str]:
                                      max_candidates=cfg.limits.max_candidates, max_user_id=cfg.limits.max_user_id)
     logger.info("replica %d: weights %s, device %s, kvcache %s", cfg.replica_id, weights, device,
                 "none" if cache is None else cfg.kvcache.backend)
-    return RankingService(RankingEngine(model, cache, device), limits), weights
+    return RankingService(RankingEngine(model, cache, device, cuda_graphs=cfg.cuda_graphs), limits), weights
 
 
 def _write_ready(path: Path, info: dict[str, Any]) -> None:
