@@ -36,7 +36,8 @@ class StepResult:
 
 @dataclasses.dataclass
 class PreparedStep:
-    """A step after `RankingEngine.prepare`: the host KJTs, the token layout on the device, and the
+    """A step after `RankingEngine.prepare`: the host KJTs, the token layout (on the device; on the
+    host for a cached step when the engine replays CUDA graphs, which pack it themselves), and the
     cache's plan (None: a full pass; ``fell_back`` when the cache could not fit the batch)."""
 
     history: KeyedJaggedTensor
@@ -61,7 +62,8 @@ class RankingEngine:
         if cuda_graphs and cache is not None and self.device.type == "cuda":
             from gr_plugin.modules.graphs import CachedStackGraphs
 
-            self.graphs = CachedStackGraphs(model, cache)
+            graphs = CachedStackGraphs(model, cache)
+            self.graphs = graphs if graphs.supported(self.device) else None
 
     @torch.no_grad()
     def score(self, batch: RequestBatch) -> StepResult:
@@ -98,7 +100,9 @@ class RankingEngine:
             meta = plan.metadata
             cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
             layout = build_token_layout(history, candidates, cached, max_positions, meta.num_new_tokens + num_cand,
-                                        meta.max_new_len + max_cand, num_cand).to(self.device)
+                                        meta.max_new_len + max_cand, num_cand)
+            if self.graphs is None:
+                layout = layout.to(self.device)
         except BaseException:
             self.cache.abort(plan)
             raise
@@ -112,8 +116,10 @@ class RankingEngine:
                               fell_back=step.fell_back)
         plan = step.plan
         try:
-            logits = self.model.forward_cached(step.history, step.candidates, self.cache, plan, graphs=self.graphs,
-                                               layout=step.layout)
+            logits = self.graphs.step(step.layout, plan) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model.forward_cached(step.history, step.candidates, self.cache, plan,
+                                                   layout=step.layout.to(self.device))
         except BaseException:
             self.cache.abort(plan)
             raise

@@ -1,12 +1,15 @@
-"""`CachedStackGraphs`: the cached layer stack of an `HSTURanker` as CUDA graphs, per shape bucket.
+"""`CachedStackGraphs`: whole cached ranking steps of an `HSTURanker` as CUDA graphs, per shape bucket.
 
-Owns the static buffers and the per-layer graphs of the cached step. A bucket is the step's shape
-(users, query tokens, new tokens, candidates, longest query segment); the first batch of a bucket
-is captured (one graph per layer, sharing one memory pool), later ones copy their inputs and page
-metadata into the bucket's static buffers and replay. Each layer is its own graph so the layerwise
-onboard wait of layer ``l`` sits between replays. Inputs that vary inside a bucket (history
-lengths, pages) are read by the kernels from device tensors, so replays compute exactly what the
-eager step computes. Embeddings, the token layout and the head stay eager.
+Owns the static buffers and the graphs of the cached step: embedding lookups, the layer stack
+(append + paged attention per layer) and the head. A bucket is the step's padded shape (users,
+query tokens, new tokens); the first batch of a bucket that is seen often enough is captured, later
+ones replay. A step's inputs (ids, token layout, page metadata, append slots) are packed on the
+host, from the host layout and the plan's host metadata, into one pinned buffer in the bucket's
+fixed order and reach the device in one copy, so a replayed step costs the host one copy and one
+graph launch. A step whose plan onboards pages from a lower tier replays the bucket's per-layer
+graphs instead (embeddings in the first, the head in the last), with the layer's onboard wait
+between replays. Inputs that vary inside a bucket (history lengths, pages) are read by the kernels
+from device tensors, so replays compute exactly what the eager step computes.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from gr_plugin.cache import BatchPlan
 from gr_plugin.modules.hstu import HSTURanker
 from gr_plugin.modules.kv_cache import KVCacheModule
-from gr_plugin.modules.tokens import TokenLayout
+from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
 from gr_plugin.ops import paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # the graphed layers need the Triton kernels (no host sizes)
+_KEYS = len(EMBEDDING_KEYS)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -37,28 +42,32 @@ def _pow2(x: int) -> int:
 
 @dataclasses.dataclass
 class _Bucket:
-    users: int  # B_b: batch rows of the graph (the real users, then padding users)
+    users: int  # batch rows of the graph (the real users, then padding users)
     tokens: int  # query rows of the graph
     new: int  # new-token rows of the graph
-    max_q_len: int
+    fields: dict[str, tuple[int, int]]  # name -> [start, end) in ``ints`` (kv_indices last)
+    ints: torch.Tensor  # every int input of the step, packed (device)
+    staging: list[torch.Tensor]  # two pinned host buffers of the same layout, used in turn
+    staging_np: list[np.ndarray]  # their numpy views
+    staged: list[torch.cuda.Event]  # recorded after each staging buffer's last copy
+    scratch_slots: np.ndarray  # [new] where padding new rows write (a reserved page)
     x: torch.Tensor
     ys: list[torch.Tensor]
-    q_offsets: torch.Tensor
-    rows: torch.Tensor
-    slots: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_indptr: torch.Tensor
-    total_lengths: torch.Tensor
-    new_lengths: torch.Tensor
-    scratch_slots: torch.Tensor
-    graphs: list[torch.cuda.CUDAGraph] = dataclasses.field(default_factory=list)
+    turn: int = 0
+    whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
+    layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None  # one per layer, logits
+
+    def view(self, name: str) -> torch.Tensor:
+        a, b = self.fields[name]
+        return self.ints[a:b]
 
 
 class CachedStackGraphs:
     """See the module docstring. Shapes are padded up to buckets (users to a power of two plus one
     padding user, query rows to a multiple of ``token_quantum``, new rows to a multiple of
     ``new_quantum``): padding query rows belong to a padding user with no history (they only see
-    themselves, and are dropped), padding new rows write their K/V into a reserved scratch page.
+    themselves, and are dropped), padding new rows write their K/V into a reserved scratch page,
+    padding ids are 0 (a valid row of every table) and padding head rows are dropped.
     """
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
@@ -74,102 +83,165 @@ class CachedStackGraphs:
         self.captures = 0
         self.replays = 0
 
+    def supported(self, device: torch.device) -> bool:
+        """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels' head sizes, and
+        embedding tables read by direct lookups (a sharded module runs eagerly)."""
+        return (device.type == "cuda" and self.cache.config.head_dim in _TRITON_HEAD_DIMS
+                and self.model.embeds_by_lookup)
+
+    # ------------------------------------------------------------------ what a graph runs
+    def _embed(self, b: _Bucket) -> None:
+        b.x.copy_(self.model.embed_ids(b.view("ids").view(_KEYS, b.tokens)))
+
     def _layer(self, b: _Bucket, i: int) -> None:
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
         u, q, k, v = layer.project(b.ys[i])
-        self.cache.manager.append_fn(table, k, v, b.slots, b.rows)
-        a = paged_hstu_attention(q, k, v, table, b.kv_indices, b.kv_indptr, b.total_lengths, b.q_offsets,
-                                 b.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=b.max_q_len,
-                                 max_history_len=self._max_history, num_history_tokens=0)
+        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
+        a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
+                                 b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
+                                 max_q_len=b.tokens, max_history_len=self._max_history, num_history_tokens=0)
         b.ys[i + 1].copy_(layer.finish(b.ys[i], u, a))
 
-    def _load(self, b: _Bucket, x: torch.Tensor, layout: TokenLayout, plan: BatchPlan) -> None:
-        meta = plan.metadata
-        nq, n, bsz = x.shape[0], meta.num_new_tokens, meta.batch_size
-        # NOTE: every tail is reset too: a bucket's previous step may have had more users or new
-        # tokens, and a stale slot would make a padding row overwrite a real page.
-        b.x[:nq].copy_(x)
-        b.x[nq:].zero_()
-        b.q_offsets[: bsz + 1].copy_(layout.q_offsets)
-        b.q_offsets[bsz + 1 :].fill_(b.tokens)  # the padding user's segment is [nq, tokens)
-        b.rows[:n].copy_(layout.new_rows)
-        b.rows[n:].zero_()
-        b.slots[:n].copy_(meta.new_token_slots)
-        b.slots[n:].copy_(b.scratch_slots[n:])
-        b.kv_indices[: meta.num_batch_pages].copy_(meta.kv_indices)
-        b.kv_indptr[: bsz + 1].copy_(meta.kv_indptr)
-        b.kv_indptr[bsz + 1 :].fill_(meta.num_batch_pages)
-        b.total_lengths[:bsz].copy_(meta.total_lengths)
-        b.total_lengths[bsz:].zero_()
-        b.new_lengths[:bsz].copy_(meta.new_lengths)
-        b.new_lengths[bsz:].zero_()
+    def _head(self, b: _Bucket) -> torch.Tensor:
+        return self.model.head_rows(b.ys[-1], b.view("cand_rows"))
 
-    def _new_bucket(self, key: tuple[int, ...], x: torch.Tensor) -> _Bucket:
-        users, tokens, new, max_q = key
-        dev = x.device
-        i64 = dict(dtype=torch.int64, device=dev)
+    # ------------------------------------------------------------------ inputs
+    def _load(self, b: _Bucket, layout: TokenLayout, plan: BatchPlan) -> None:
+        """Pack the step's ints into a pinned staging buffer (numpy, host) and copy it to the
+        bucket in one non-blocking copy. Every tail is reset: a bucket's previous step may have had
+        more users or tokens, and a stale slot would make a padding row overwrite a real page."""
+        meta = plan.metadata
+        n, m, nq = meta.num_new_tokens, meta.num_batch_pages, layout.num_query_tokens
+        i = b.turn
+        b.turn ^= 1
+        b.staged[i].synchronize()  # NOTE: the copy of two steps ago may still read this buffer
+        st = b.staging_np[i]
+        f = b.fields
+        hb = meta.host_buffer.numpy()
+
+        def host(name: str) -> np.ndarray:
+            a, e = meta.field_offsets[name]
+            return hb[a:e]
+
+        def put(name: str, values: np.ndarray, fill) -> None:
+            a, e = f[name]
+            st[a : a + len(values)] = values
+            st[a + len(values) : e] = fill
+
+        a, e = f["ids"]
+        ids = st[a:e].reshape(_KEYS, b.tokens)
+        ids[:, :nq] = layout.features.values().numpy().reshape(_KEYS, nq)
+        ids[:, nq:] = 0
+        put("q_offsets", layout.q_offsets.numpy(), b.tokens)  # the padding user's segment is [nq, tokens)
+        put("rows", layout.new_rows.numpy(), 0)
+        indptr, indices = host("kv_indptr"), host("kv_indices")
+        pos, page_size = host("new_token_positions"), meta.page_size
+        page = pos // page_size
+        slots = indices[indptr[host("new_token_batch")] + page] * page_size + (pos - page * page_size)
+        put("slots", slots, b.scratch_slots[n:])
+        put("kv_indptr", indptr, m)
+        put("total_lengths", host("total_lengths"), 0)
+        put("new_lengths", host("new_lengths"), 0)
+        put("cand_rows", layout.candidate_rows.numpy(), 0)
+        a = f["kv_indices"][0]
+        st[a : a + m] = indices  # only the batch's pages are read (kv_indptr says where they end)
+        b.ints[: a + m].copy_(b.staging[i][: a + m], non_blocking=True)
+        b.staged[i].record()
+
+    def _new_bucket(self, key: tuple[int, ...], device: torch.device) -> _Bucket:
+        users, tokens, new = key
         if self._scratch is None:
             self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
         page = self.cache.config.page_size
-        scratch = self._scratch * page + torch.arange(new, **i64) % page
-        b = _Bucket(users=users, tokens=tokens, new=new, max_q_len=max_q, scratch_slots=scratch,
-                    x=torch.zeros(tokens, x.shape[1], dtype=x.dtype, device=dev), ys=[],
-                    q_offsets=torch.zeros(users + 1, **i64),
-                    # padding new rows: any query row, written into the scratch page
-                    rows=torch.zeros(new, **i64),
-                    slots=scratch.clone(),
-                    kv_indices=torch.zeros(self.cache.config.num_pages, **i64),
-                    kv_indptr=torch.zeros(users + 1, **i64), total_lengths=torch.zeros(users, **i64),
-                    new_lengths=torch.zeros(users, **i64))
-        b.ys = [b.x] + [torch.empty_like(b.x) for _ in self.model.layers]
+        sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
+                 ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
+                 ("kv_indices", self.cache.config.num_pages))
+        fields, at = {}, 0
+        for name, size in sizes:
+            fields[name] = (at, at + size)
+            at += size
+        d = self.model.config.embedding_dim
+        x = torch.zeros(tokens, d, dtype=self.model.output_norm.weight.dtype, device=device)
+        b = _Bucket(users=users, tokens=tokens, new=new, fields=fields,
+                    ints=torch.zeros(at, dtype=torch.int64, device=device),
+                    staging=(staging := [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]),
+                    staging_np=[t.numpy() for t in staging],
+                    staged=[torch.cuda.Event(), torch.cuda.Event()],
+                    scratch_slots=self._scratch * page + np.arange(new, dtype=np.int64) % page,
+                    x=x, ys=[x] + [torch.empty_like(x) for _ in self.model.layers])
         return b
 
-    def _capture(self, b: _Bucket, plan: BatchPlan) -> None:
+    # ------------------------------------------------------------------ capture and replay
+    def _capture(self, b: _Bucket, plan: BatchPlan, layered: bool) -> None:
         dev = b.x.device
+        layers = len(self.model.layers)
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         # NOTE: warm-up writes this plan's own K/V into its own pages: the same values a replay writes.
         with torch.cuda.stream(side), torch.no_grad():
-            for i in range(len(self.model.layers)):
+            self._embed(b)
+            for i in range(layers):
                 self.cache.manager.wait_layer(plan, i)
                 self._layer(b, i)
+            self._head(b)
         torch.cuda.current_stream(dev).wait_stream(side)
         with torch.no_grad():
-            for i in range(len(self.model.layers)):
+            if layered:
+                graphs = []
+                for i in range(layers):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._pool):
+                        if i == 0:
+                            self._embed(b)
+                        self._layer(b, i)
+                        if i == layers - 1:
+                            logits = self._head(b)
+                    self._pool = g.pool() if self._pool is None else self._pool
+                    graphs.append(g)
+                b.layered = (graphs, logits)
+            else:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool):
-                    self._layer(b, i)
-                if self._pool is None:
-                    self._pool = g.pool()
-                b.graphs.append(g)
+                    self._embed(b)
+                    for i in range(layers):
+                        self._layer(b, i)
+                    logits = self._head(b)
+                self._pool = g.pool() if self._pool is None else self._pool
+                b.whole = (g, logits)
         self.captures += 1
-        logger.info("captured the cached layer stack for bucket %s", (b.users, b.tokens, b.new))
+        logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new),
+                    "per layer" if layered else "whole")
 
-    def run(self, x: torch.Tensor, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
-        """The layer stack's output ``[Nq, D]`` for the step, or None when the step runs eagerly: a
-        bucket is captured the ``capture_after``-th time it is seen (a capture costs far more than
-        an eager step), and only when the Triton kernels serve the layers."""
-        if not x.is_cuda or self.cache.config.head_dim not in _TRITON_HEAD_DIMS:
-            return None
+    def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
+        """The step's candidate logits ``[sum C, num_tasks]`` (a fresh tensor), or None when it
+        runs eagerly: a bucket is captured the ``capture_after``-th time it is seen (a capture
+        costs far more than an eager step), at most ``max_buckets`` of them. ``layout`` must be
+        the one built on the host for ``plan`` (`RankingEngine.prepare` keeps it there)."""
         meta = plan.metadata
-        nq = x.shape[0]
+        if layout.q_offsets.device.type != "cpu" or meta.host_buffer is None:
+            raise ValueError("CachedStackGraphs.step needs the host-built layout and the plan's host metadata, "
+                             f"got a layout on {layout.q_offsets.device}")
+        nq = layout.num_query_tokens
         tokens = _round_up(nq + 1, self.token_quantum)  # + 1: the padding user always has a row
-        key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum),
-               _round_up(max(layout.max_q_len, tokens - nq), 64))
-        key = (*key[:3], max(key[3], key[1]))  # grid rows: any segment, the padding user's included
+        key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum))
         b = self._buckets.get(key)
         if b is None:
             self._seen[key] = self._seen.get(key, 0) + 1
             if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
                 return None
-            b = self._buckets[key] = self._new_bucket(key, x)
-            self._load(b, x, layout, plan)
-            self._capture(b, plan)
+            b = self._buckets[key] = self._new_bucket(key, self.cache.kv_table.device)
+        layered = plan.onboard_handle is not None  # pages still arriving: wait per layer
+        self._load(b, layout, plan)
+        if (b.layered if layered else b.whole) is None:
+            self._capture(b, plan, layered)
+        if layered:
+            graphs, logits = b.layered
+            for i, g in enumerate(graphs):
+                self.cache.manager.wait_layer(plan, i)
+                g.replay()
         else:
-            self._load(b, x, layout, plan)
-        for i, g in enumerate(b.graphs):
-            self.cache.manager.wait_layer(plan, i)
+            g, logits = b.whole
             g.replay()
         self.replays += 1
-        return b.ys[-1][:nq]
+        return logits[: layout.candidate_rows.numel()].clone()

@@ -128,17 +128,24 @@ class HSTURanker(nn.Module):
         self.output_norm = nn.LayerNorm(d, device=device)
         self.head = nn.Linear(d, config.num_tasks, device=device)
 
+    @property
+    def embeds_by_lookup(self) -> bool:
+        """Whether the tables are read by direct lookups (`embed_ids`): an unsharded EmbeddingCollection."""
+        return type(self.embeddings) is EmbeddingCollection
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Summed embeddings ``[N, D]`` of ``ids [len(EMBEDDING_KEYS), N]`` (one row of ids per key),
+        for unsharded tables (`embeds_by_lookup`): the same rows, summed in the same order, as the
+        torchrec module, without its per-key KJT split (which costs more host time than the gathers)."""
+        tables = self.embeddings.embeddings
+        x = F.embedding(ids[0], tables[EMBEDDING_KEYS[0]].weight)
+        for i, key in enumerate(EMBEDDING_KEYS[1:], 1):
+            x = x + F.embedding(ids[i], tables[key].weight)
+        return x.to(self.output_norm.weight.dtype)
+
     def _embed(self, layout: TokenLayout) -> torch.Tensor:
-        if type(self.embeddings) is EmbeddingCollection:
-            # NOTE: unsharded tables: the same rows, summed in the same order, by direct lookups on
-            # the key-major values (each key has num_query_tokens ids): no per-key KJT split, which
-            # costs more host time than the four gathers it feeds. Sharded modules go through torchrec.
-            ids = layout.features.values().view(len(EMBEDDING_KEYS), -1)
-            tables = self.embeddings.embeddings
-            x = F.embedding(ids[0], tables[EMBEDDING_KEYS[0]].weight)
-            for i, key in enumerate(EMBEDDING_KEYS[1:], 1):
-                x = x + F.embedding(ids[i], tables[key].weight)
-            return x.to(self.output_norm.weight.dtype)
+        if self.embeds_by_lookup:
+            return self.embed_ids(layout.features.values().view(len(EMBEDDING_KEYS), -1))
         out = self.embeddings(layout.features)
         x = out[EMBEDDING_KEYS[0]].values()
         for key in EMBEDDING_KEYS[1:]:
@@ -146,8 +153,12 @@ class HSTURanker(nn.Module):
         # NOTE: torchrec may keep its tables (and outputs) in fp32 when the layers run in bf16.
         return x.to(self.output_norm.weight.dtype)
 
+    def head_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(rows), num_tasks]`` of the query rows ``rows`` of the last layer's ``x``."""
+        return self.head(self.output_norm(x[rows]))
+
     def _head(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        return self.head(self.output_norm(x[layout.candidate_rows]))
+        return self.head_rows(x, layout.candidate_rows)
 
     def forward(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor, num_query_tokens: int | None = None,
                 max_seq_len: int | None = None, num_candidates: int | None = None) -> torch.Tensor:
@@ -168,7 +179,7 @@ class HSTURanker(nn.Module):
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
-                       max_candidates: int | None = None, graphs=None,
+                       max_candidates: int | None = None,
                        layout: TokenLayout | None = None) -> torch.Tensor:
         """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
         read from the cache's pages; the rest are computed and appended. Same logits as
@@ -186,14 +197,11 @@ class HSTURanker(nn.Module):
                 num_candidates,
             )
         x = self._embed(layout)
-        y = graphs.run(x, layout, plan) if graphs is not None else None  # CUDA graphs (CachedStackGraphs)
-        if y is None:
-            for i, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(x)
-                attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
-                x = layer.finish(x, u, attn)
-            y = x
-        return self._head(y, layout)
+        for i, layer in enumerate(self.layers):
+            u, q, k, v = layer.project(x)
+            attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
+            x = layer.finish(x, u, attn)
+        return self._head(x, layout)
 
     def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
         """Host-side checks of a request against this model (keys, sizes, id ranges)."""

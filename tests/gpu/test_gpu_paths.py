@@ -102,6 +102,7 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
 
 def test_cuda_graphs_replay_the_eager_cached_step():
     from gr_plugin.modules.graphs import CachedStackGraphs
+    from gr_plugin.modules.tokens import build_token_layout
     from tests.modules.helpers import User, make_inputs
 
     model, _, cache, _, _ = _model_pair(torch.bfloat16)
@@ -117,13 +118,48 @@ def test_cuda_graphs_replay_the_eager_cached_step():
         with torch.no_grad():
             plan = cache.begin([u.uid for u in users], lengths, keys)
             eager = model.forward_cached(h, c, cache, plan, num_candidates=16, max_candidates=8).float()
-            graphed = model.forward_cached(h, c, cache, plan, num_candidates=16, max_candidates=8,
-                                           graphs=graphs).float()
+            host = build_token_layout(history, candidates, torch.tensor(plan.cached_lengths),
+                                      model.config.max_positions)
+            graphed = graphs.step(host, plan).float()
             cache.commit(plan)
         assert (eager - graphed).abs().max().item() <= 1e-2
-    # 80 and 32 new events round to one padded bucket: captured once, replayed for every visit
+    # 80 and 32 new events round to one padded bucket: captured once (whole step), replayed every visit
     assert graphs.captures == 1 and graphs.replays == 4
     cache.manager.check()  # the scratch page is accounted for
+
+
+def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
+    """A step whose pages come up from the host tier replays the per-layer graphs (waits between
+    them) and scores what the eager step scores."""
+    from gr_plugin.modules.graphs import CachedStackGraphs
+    from gr_plugin.modules.tokens import build_token_layout
+    from tests.modules.helpers import User, make_inputs, tiny_cache, tiny_model
+
+    model = tiny_model(0, head_dim=16).to("cuda", torch.bfloat16)
+    cache = tiny_cache(model, num_pages=64, page_size=16, backend="native", host_pages=64, dtype="bfloat16",
+                       device="cuda")
+    graphs = CachedStackGraphs(model, cache, capture_after=1)
+    g = torch.Generator().manual_seed(3)
+    users = [User(u, g) for u in range(2)]
+    layered_steps = 0
+    for visit in range(4):
+        for u in users:
+            u.grow(16 if visit else 40)
+        cands = [u.candidates(8) for u in users]
+        history, candidates, lengths, keys = make_inputs(users, cands)
+        with torch.no_grad():
+            plan = cache.begin([u.uid for u in users], lengths, keys)
+            layered_steps += plan.onboard_handle is not None
+            eager = model.forward_cached(history.to("cuda"), candidates.to("cuda"), cache, plan).float()
+            host = build_token_layout(history, candidates, torch.tensor(plan.cached_lengths),
+                                      model.config.max_positions)
+            graphed = graphs.step(host, plan).float()
+            cache.commit(plan)
+        assert (eager - graphed).abs().max().item() <= 1e-2
+        cache.manager.offload_flush()
+        cache.manager.evict([u.uid for u in users])  # next visit: every cached page comes from the host tier
+    assert layered_steps == 3 and graphs.replays == 4 and graphs.captures == 2  # whole, then per layer
+    cache.manager.check()
 
 
 def test_host_built_layout_moved_in_one_copy_equals_the_device_built_one():
