@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU performance checks (results under $OUT):
-#   kernel GPU tests with the tanh.approx SiLU, e2e at bs 8 and 1, the e2e profile at bs 8,
+#   tests/gpu (gputests), the kernel GPU tests with the tanh.approx SiLU (kernels), e2e at bs 8 and 1, the e2e profile at bs 8,
 #   step_host on this host, the block table's 4096/3968 rows.
 # Usage (device):  source scripts/gpu/setup_device.sh && bash scripts/gpu/perf_round.sh [parts...]
 parts=${*:-"kernels e2e profile step_host block"}
@@ -8,6 +8,7 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 for p in $parts; do
   echo "=== $p ($(date +%T))"
   case $p in
+    gputests) python3 -m pytest -q -x tests/gpu 2>&1 | tail -15 | tee "$out/gputests.txt" ;;
     kernels) GR_PLUGIN_FAST_SILU=1 python3 -m pytest -q -x tests/ops/test_triton_attention.py tests/ops/test_hstu_attention.py \
                2>&1 | tail -15 | tee "$out/kernels.txt" ;;
     e2e) python3 -m recipes.bench suite=e2e 'e2e.batch_sizes=[8,1]' out_dir="$out" hydra/job_logging=disabled \
