@@ -1,0 +1,106 @@
+"""Why do AOTInductor packages and C++ exceptions from JIT-built extensions crash on the lent GPU
+machine? (docs/EXPORT.md, "On the GPU"). One device call; prints one line per experiment.
+
+python3 scripts/gpu/aoti_probe.py [workdir]
+
+Experiments, each in a fresh subprocess (exit code and the last lines of its output):
+- which libstdc++ / libgcc_s / libunwind the torch process maps, and what torch's own libraries link;
+- a JIT extension that throws a c10::Error (TORCH_CHECK) caught inside the extension, and one that
+  lets it reach Python;
+- a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process;
+- the same load with the system libstdc++ / libgcc_s preloaded (LD_PRELOAD).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+WORK = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/aoti_probe")
+
+MAPS = """
+import torch, re
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if re.search(r'libstdc|libgcc_s|libunwind|libc\\+\\+', l)})
+print('mapped:', libs)
+print('torch', torch.__version__, 'cxx11abi', torch.compiled_with_cxx11_abi(), 'gcc', torch.__config__.show().split('GCC')[1][:12] if 'GCC' in torch.__config__.show() else '?')
+"""
+
+EXT = r"""
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '''
+#include <torch/extension.h>
+int64_t throw_caught(int64_t x) {
+  try { TORCH_CHECK(x < 0, "x must be negative, got ", x); } catch (const c10::Error& e) { return 1; }
+  return 0;
+}
+int64_t throw_plain(int64_t x) { try { throw std::runtime_error("plain"); } catch (const std::exception&) { return 2; } }
+int64_t throw_out(int64_t x) { TORCH_CHECK(x < 0, "x must be negative, got ", x); return 0; }
+'''
+m = load_inline("probe_ext", cpp_sources=src, functions=["throw_caught", "throw_plain", "throw_out"],
+                build_directory=BUILD, verbose=False)
+print("plain caught:", m.throw_plain(1), flush=True)
+print("c10 caught:", m.throw_caught(1), flush=True)
+try:
+    m.throw_out(1)
+except RuntimeError as e:
+    print("c10 reached python:", str(e).splitlines()[0], flush=True)
+"""
+
+COMPILE = """
+import torch
+class M(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.silu(x) * 2
+ep = torch.export.export(M(), (torch.randn(4, 8),))
+print(torch._inductor.aoti_compile_and_package(ep, package_path=PKG))
+"""
+
+LOAD = """
+import torch
+runner = torch._inductor.aoti_load_package(PKG)
+x = torch.randn(4, 8)
+print("load ok, equal:", torch.allclose(runner(x), torch.nn.functional.silu(x) * 2))
+"""
+
+
+def run(name: str, code: str, env: dict | None = None, timeout: int = 240) -> None:
+    full = {**os.environ, **(env or {})}
+    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], env=full,
+                       capture_output=True, text=True, timeout=timeout)
+    out = (p.stdout + p.stderr).strip().splitlines()
+    keep = [line for line in out if "fbgemm" not in line.lower() and "compat" not in line and line.strip()]
+    print(f"--- {name}: exit {p.returncode}")
+    for line in keep[-12:]:
+        print("   ", line[:300])
+
+
+def main() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    build = WORK / "ext"
+    build.mkdir(exist_ok=True)
+    pkg = str(WORK / "plain.pt2")
+    defs = f"BUILD = {str(build)!r}\nPKG = {pkg!r}\n"
+    run("maps", MAPS)
+    for lib in ("torch/lib/libtorch_cpu.so", "torch/lib/libc10.so"):
+        import torch
+
+        path = Path(torch.__file__).parent.parent / lib
+        p = subprocess.run(["bash", "-c", f"ldd {path} | grep -E 'stdc|gcc_s|unwind|c\\+\\+'"], capture_output=True,
+                           text=True)
+        print(f"--- ldd {lib}:\n{p.stdout.rstrip()}")
+    run("extension exceptions", defs + EXT)
+    run("compile plain package", defs + COMPILE)
+    run("load plain package", defs + LOAD)
+    sys_libs = [p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1",
+                            "/lib/x86_64-linux-gnu/libgcc_s.so.1") if os.path.exists(p)]
+    if sys_libs:
+        run(f"load plain package, LD_PRELOAD={':'.join(sys_libs)}", defs + LOAD, {"LD_PRELOAD": ":".join(sys_libs)})
+        run("extension exceptions, LD_PRELOAD", defs + EXT, {"LD_PRELOAD": ":".join(sys_libs)})
+
+
+if __name__ == "__main__":
+    main()
