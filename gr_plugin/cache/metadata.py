@@ -46,15 +46,12 @@ class PagedBatchMetadata:
     ``num_new_tokens``, ...) are plain attributes, so no field needs a device sync.
     """
 
-    __slots__ = ("__dict__", "batch_size", "buffer", "field_offsets", "host_buffer", "max_new_len",
-                 "max_total_len", "num_batch_pages", "num_new_tokens", "num_total_tokens", "page_size")
+    __slots__ = ("__dict__", "batch_size", "buffer", "field_offsets", "max_new_len", "max_total_len",
+                 "num_batch_pages", "num_new_tokens", "num_total_tokens", "page_size")
 
     def __init__(self, buffer: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
-                 num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int,
-                 host_buffer: torch.Tensor | None = None) -> None:
+                 num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int) -> None:
         self.buffer = buffer
-        # the same values on the host (CPU int64), for host-side packing without reading the device
-        self.host_buffer = host_buffer if host_buffer is not None or buffer.device.type != "cpu" else buffer
         self.page_size = page_size
         self.batch_size = batch_size
         self.num_new_tokens = num_new_tokens
@@ -107,9 +104,7 @@ class PagedBatchMetadata:
 def metadata_from_host(flat: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
                        num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int,
                        device: torch.device) -> PagedBatchMetadata:
-    """Wrap a packed host buffer (int64 CPU, `_FIELDS` order) and move it to ``device`` in one copy
-    (the host buffer stays reachable as ``host_buffer``)."""
-    host = flat
+    """Wrap a packed host buffer (int64 CPU, `_FIELDS` order) and move it to ``device`` in one copy."""
     if device.type != "cpu":
         staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
         staged.copy_(flat)
@@ -117,7 +112,7 @@ def metadata_from_host(flat: torch.Tensor, *, page_size: int, batch_size: int, n
     return PagedBatchMetadata(
         flat, page_size=page_size, batch_size=batch_size, num_new_tokens=num_new_tokens,
         num_total_tokens=num_total_tokens, num_batch_pages=num_batch_pages, max_new_len=max_new_len,
-        max_total_len=max_total_len, host_buffer=host,
+        max_total_len=max_total_len,
     )
 
 

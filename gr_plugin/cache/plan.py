@@ -63,8 +63,9 @@ class BatchPlan:
     onboard_tokens: list[int]
     cached_lengths: list[int]
     new_lengths: list[int]
-    # internals (manager only): the metadata buffer on the host (the core's kv_indices and
-    # kv_indptr name each user's pages), whole device pages kept per user, onboard sources
+    # the metadata buffer on the host (the core's kv_indices and kv_indptr name each user's
+    # pages; CUDA-graph steps pack their inputs from it); internals (manager only): whole device
+    # pages kept per user, onboard sources
     host_metadata: torch.Tensor
     keep_pages: list[int]
     onboard_src: list[tuple[int, int, torch.Tensor]]  # (batch index, first page, host slots)

@@ -4,9 +4,9 @@ Owns the static buffers and the graphs of the cached step: embedding lookups, th
 (append + paged attention per layer) and the head. A bucket is the step's padded shape (users,
 query tokens, new tokens); the first batch of a bucket that is seen often enough is captured, later
 ones replay. A step's inputs (ids, token layout, page metadata, append slots) are packed on the
-host, from the host layout and the plan's host metadata, into one pinned buffer in the bucket's
-fixed order and reach the device in one copy, so a replayed step costs the host one copy and one
-graph launch. A step whose plan onboards pages from a lower tier replays the bucket's per-layer
+host, from the host layout and the plan's ``host_metadata``, into one pinned buffer in the
+bucket's fixed order and reach the device in one copy, so a replayed step costs the host one copy
+and one graph launch. A step whose plan onboards pages from a lower tier replays the bucket's per-layer
 graphs instead (embeddings in the first, the head in the last), with the layer's onboard wait
 between replays. Inputs that vary inside a bucket (history lengths, pages) are read by the kernels
 from device tensors, so replays compute exactly what the eager step computes.
@@ -118,7 +118,7 @@ class CachedStackGraphs:
         b.staged[i].synchronize()  # NOTE: the copy of two steps ago may still read this buffer
         st = b.staging_np[i]
         f = b.fields
-        hb = meta.host_buffer.numpy()
+        hb = plan.host_metadata.numpy()
 
         def host(name: str) -> np.ndarray:
             a, e = meta.field_offsets[name]
@@ -219,9 +219,9 @@ class CachedStackGraphs:
         costs far more than an eager step), at most ``max_buckets`` of them. ``layout`` must be
         the one built on the host for ``plan`` (`RankingEngine.prepare` keeps it there)."""
         meta = plan.metadata
-        if layout.q_offsets.device.type != "cpu" or meta.host_buffer is None:
-            raise ValueError("CachedStackGraphs.step needs the host-built layout and the plan's host metadata, "
-                             f"got a layout on {layout.q_offsets.device}")
+        if layout.q_offsets.device.type != "cpu":
+            raise ValueError(f"CachedStackGraphs.step needs the layout built on the host, got one on "
+                             f"{layout.q_offsets.device}")
         nq = layout.num_query_tokens
         tokens = _round_up(nq + 1, self.token_quantum)  # + 1: the padding user always has a row
         key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum))
@@ -231,7 +231,7 @@ class CachedStackGraphs:
             if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
                 return None
             b = self._buckets[key] = self._new_bucket(key, self.cache.kv_table.device)
-        layered = plan.onboard_handle is not None  # pages still arriving: wait per layer
+        layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
         self._load(b, layout, plan)
         if (b.layered if layered else b.whole) is None:
             self._capture(b, plan, layered)

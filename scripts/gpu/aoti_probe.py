@@ -23,9 +23,11 @@ WORK = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/aoti_probe")
 
 MAPS = """
 import torch, re
-libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if re.search(r'libstdc|libgcc_s|libunwind|libc\\+\\+', l)})
+pat = r'libstdc|libgcc_s|libunwind|libc\\+\\+'
+libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if re.search(pat, l)})
 print('mapped:', libs)
-print('torch', torch.__version__, 'cxx11abi', torch.compiled_with_cxx11_abi(), 'gcc', torch.__config__.show().split('GCC')[1][:12] if 'GCC' in torch.__config__.show() else '?')
+print('torch', torch.__version__, 'cxx11abi', torch.compiled_with_cxx11_abi())
+print([l.strip() for l in torch.__config__.show().splitlines() if 'GCC' in l or 'CXX_COMPILER' in l][:3])
 """
 
 EXT = r"""
@@ -37,7 +39,9 @@ int64_t throw_caught(int64_t x) {
   try { TORCH_CHECK(x < 0, "x must be negative, got ", x); } catch (const c10::Error& e) { return 1; }
   return 0;
 }
-int64_t throw_plain(int64_t x) { try { throw std::runtime_error("plain"); } catch (const std::exception&) { return 2; } }
+int64_t throw_plain(int64_t x) {
+  try { throw std::runtime_error("plain"); } catch (const std::exception&) { return 2; }
+}
 int64_t throw_out(int64_t x) { TORCH_CHECK(x < 0, "x must be negative, got ", x); return 0; }
 '''
 m = load_inline("probe_ext", cpp_sources=src, functions=["throw_caught", "throw_plain", "throw_out"],

@@ -149,7 +149,7 @@ def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
         history, candidates, lengths, keys = make_inputs(users, cands)
         with torch.no_grad():
             plan = cache.begin([u.uid for u in users], lengths, keys)
-            layered_steps += plan.onboard_handle is not None
+            layered_steps += any(plan.onboard_tokens)
             eager = model.forward_cached(history.to("cuda"), candidates.to("cuda"), cache, plan).float()
             host = build_token_layout(history, candidates, torch.tensor(plan.cached_lengths),
                                       model.config.max_positions)
