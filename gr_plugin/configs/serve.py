@@ -77,7 +77,9 @@ class ServeClientConfig:
     users interleaved) against ``urls`` (Triton HTTP ``host:port``, one per replica) from
     ``num_threads`` threads. A user goes to replica ``route(user_id) % len(urls)``;
     ``metrics_urls`` (one per replica, the replicas' ``/metrics``) give the cache's hit rate per
-    tier. ``max_requests`` null = all; ``users_per_request`` > 1 sends several users per request."""
+    tier. ``max_requests`` null = all; ``users_per_request`` > 1 sends several users per request.
+    ``user_id_offset`` is added to every user id: the same visits as other users (a warm-up pass
+    that shares no cache entries with the replay that follows)."""
 
     data: DataOptions = dataclasses.field(default_factory=DataOptions)
     urls: list[str] = dataclasses.field(default_factory=lambda: ["127.0.0.1:8000"])
@@ -88,6 +90,7 @@ class ServeClientConfig:
     users_per_request: int = 1
     timeout_s: float = 60.0
     warmup_requests: int = 10
+    user_id_offset: int = 0
     results_json: str | None = None
 
 

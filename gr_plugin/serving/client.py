@@ -155,7 +155,8 @@ class ReplayReport:
                 "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else float("nan"),
                 "throughput_rps": self.requests / self.wall_s if self.wall_s else float("nan"),
                 "throughput_users_ps": self.users / self.wall_s if self.wall_s else float("nan"),
-                "per_replica": dict(sorted(self.per_replica.items()))}
+                "per_replica": dict(sorted(self.per_replica.items())),
+                "first_error": self.errors[0][1] if self.errors else None}
 
 
 def replay(client: ServeClient, requests: Iterable[tuple[int, RequestBatch]], *, num_threads: int = 4,

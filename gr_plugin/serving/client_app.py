@@ -30,7 +30,11 @@ def run(cfg: ServeClientConfig) -> dict[str, Any]:
     dm.setup("predict")
     client = ServeClient(cfg.urls, cfg.model_name, timeout_s=cfg.timeout_s)
     requests = []
+    if cfg.user_id_offset < 0:
+        raise ValueError(f"user_id_offset must be >= 0, got {cfg.user_id_offset}")
     for batch in dm.predict_dataloader():
+        if cfg.user_id_offset:
+            batch = dataclasses.replace(batch, user_ids=batch.user_ids + cfg.user_id_offset)
         requests.extend(split_by_replica(batch, client.num_replicas))
         if cfg.max_requests is not None and len(requests) >= cfg.max_requests:
             requests = requests[: cfg.max_requests]

@@ -165,10 +165,17 @@ class RankingService:
         finally:
             self._lock.release()
 
+    def _counters(self) -> dict[str, Any]:
+        with self._counters_lock:
+            out = dataclasses.asdict(self.counters)
+        graphs = self.engine.graphs
+        if graphs is not None:  # CUDA-graph captures (one-time, slow) and replays of the engine
+            out.update(graph_captures=graphs.captures, graph_replays=graphs.replays)
+        return out
+
     def stats(self) -> dict[str, Any]:
         """The service's counters and, with a cache, the cache's `stats()` (``page_size`` included)."""
-        with self._counters_lock:
-            out: dict[str, Any] = {"serve": dataclasses.asdict(self.counters)}
+        out: dict[str, Any] = {"serve": self._counters()}
         if self.cache is not None:
             out["kvcache"] = {**self.cache.stats(), "page_size": self.cache.config.page_size}
         return out
@@ -188,7 +195,7 @@ class RankingService:
                 flush_writes = getattr(manager.backend, "flush_writes", None)
                 if flush_writes is not None:
                     flush_writes()
-        final = {"serve": dataclasses.asdict(self.counters)}
+        final = {"serve": self._counters()}
         if self.cache is not None:
             final["kvcache"] = {**self.cache.stats(), "page_size": self.cache.config.page_size}
             self.cache.manager.close()

@@ -1,14 +1,15 @@
 """Why do AOTInductor packages and C++ exceptions from JIT-built extensions crash on the lent GPU
 machine? (docs/EXPORT.md, "On the GPU"). One device call; prints one line per experiment.
 
-python3 scripts/gpu/aoti_probe.py [workdir]
+python3 scripts/gpu/aoti_probe.py [workdir] [experiment ...]   (default: all; names below)
 
 Experiments, each in a fresh subprocess (exit code and the last lines of its output):
-- which libstdc++ / libgcc_s / libunwind the torch process maps, and what torch's own libraries link;
-- a JIT extension that throws a c10::Error (TORCH_CHECK) caught inside the extension, and one that
-  lets it reach Python;
-- a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process;
-- the same load with the system libstdc++ / libgcc_s preloaded (LD_PRELOAD).
+- ``maps``: which libstdc++ / libgcc_s / libunwind the torch process maps, what torch's libraries link;
+- ``ext``: a JIT extension that captures a c10 backtrace, throws a plain std exception and a
+  c10::Error (TORCH_CHECK) caught inside the extension, and one that reaches Python; ``ext_fp``: the
+  same built with frame pointers kept; ``ext_preload``: with the system libstdc++/libgcc_s preloaded;
+- ``aoti``: a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process
+  (``aoti_preload``: the load with the system libraries preloaded).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ int64_t throw_plain(int64_t x) {
   try { throw std::runtime_error("plain"); } catch (const std::exception&) { return 2; }
 }
 int64_t throw_out(int64_t x) { TORCH_CHECK(x < 0, "x must be negative, got ", x); return 0; }
+int64_t backtrace_len(int64_t x) { return static_cast<int64_t>(c10::get_backtrace().size()); }
 '''
-m = load_inline("probe_ext", cpp_sources=src, functions=["throw_caught", "throw_plain", "throw_out"],
-                build_directory=BUILD, verbose=False)
+m = load_inline(NAME, cpp_sources=src, functions=["throw_caught", "throw_plain", "throw_out", "backtrace_len"],
+                build_directory=BUILD, extra_cflags=FLAGS, verbose=False)
 print("plain caught:", m.throw_plain(1), flush=True)
+print("c10 backtrace chars:", m.backtrace_len(0), flush=True)
 print("c10 caught:", m.throw_caught(1), flush=True)
 try:
     m.throw_out(1)
@@ -84,26 +87,38 @@ def run(name: str, code: str, env: dict | None = None, timeout: int = 240) -> No
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
-    build = WORK / "ext"
-    build.mkdir(exist_ok=True)
+    which = set(sys.argv[2:]) or {"maps", "ext", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
     pkg = str(WORK / "plain.pt2")
-    defs = f"BUILD = {str(build)!r}\nPKG = {pkg!r}\n"
-    run("maps", MAPS)
-    for lib in ("torch/lib/libtorch_cpu.so", "torch/lib/libc10.so"):
+    sys_libs = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/lib/x86_64-linux-gnu/libgcc_s.so.1")
+                        if os.path.exists(p))
+
+    def ext_defs(name: str, flags: list[str]) -> str:
+        build = WORK / name
+        build.mkdir(exist_ok=True)
+        return f"BUILD = {str(build)!r}\nNAME = {name!r}\nFLAGS = {flags!r}\n"
+
+    if "maps" in which:
+        run("maps", MAPS)
         import torch
 
-        path = Path(torch.__file__).parent.parent / lib
-        p = subprocess.run(["bash", "-c", f"ldd {path} | grep -E 'stdc|gcc_s|unwind|c\\+\\+'"], capture_output=True,
-                           text=True)
-        print(f"--- ldd {lib}:\n{p.stdout.rstrip()}")
-    run("extension exceptions", defs + EXT)
-    run("compile plain package", defs + COMPILE)
-    run("load plain package", defs + LOAD)
-    sys_libs = [p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1",
-                            "/lib/x86_64-linux-gnu/libgcc_s.so.1") if os.path.exists(p)]
-    if sys_libs:
-        run(f"load plain package, LD_PRELOAD={':'.join(sys_libs)}", defs + LOAD, {"LD_PRELOAD": ":".join(sys_libs)})
-        run("extension exceptions, LD_PRELOAD", defs + EXT, {"LD_PRELOAD": ":".join(sys_libs)})
+        for lib in ("torch/lib/libtorch_cpu.so", "torch/lib/libc10.so"):
+            path = Path(torch.__file__).parent.parent / lib
+            p = subprocess.run(["bash", "-c", f"ldd {path} | grep -E 'stdc|gcc_s|unwind|c\\+\\+'"],
+                               capture_output=True, text=True)
+            print(f"--- ldd {lib}:\n{p.stdout.rstrip()}")
+    if "ext" in which:
+        run("extension exceptions", ext_defs("probe_ext", []) + EXT)
+    if "ext_fp" in which:
+        run("extension exceptions, -fno-omit-frame-pointer",
+            ext_defs("probe_ext_fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]) + EXT)
+    if "ext_preload" in which and sys_libs:
+        run(f"extension exceptions, LD_PRELOAD={sys_libs}", ext_defs("probe_ext", []) + EXT, {"LD_PRELOAD": sys_libs})
+    defs = f"PKG = {pkg!r}\n"
+    if "aoti" in which:
+        run("compile plain package", defs + COMPILE)
+        run("load plain package", defs + LOAD)
+    if "aoti_preload" in which and sys_libs and os.path.exists(pkg):
+        run(f"load plain package, LD_PRELOAD={sys_libs}", defs + LOAD, {"LD_PRELOAD": sys_libs})
 
 
 if __name__ == "__main__":
