@@ -8,6 +8,8 @@ Experiments, each in a fresh subprocess (exit code and the last lines of its out
 - ``ext``: a JIT extension that captures a c10 backtrace, throws a plain std exception and a
   c10::Error (TORCH_CHECK) caught inside the extension, and one that reaches Python; ``ext_fp``: the
   same built with frame pointers kept; ``ext_preload``: with the system libstdc++/libgcc_s preloaded;
+  ``ext2``: which side crashes: sizeof(c10::Error) in the headers, std exceptions, a c10::Error
+  thrown inside libtorch and caught in the extension, a c10::ValueError thrown by the extension;
 - ``aoti``: a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process
   (``aoti_preload``: the load with the system libraries preloaded).
 """
@@ -66,6 +68,42 @@ ep = torch.export.export(M(), (torch.randn(4, 8),))
 print(torch._inductor.aoti_compile_and_package(ep, package_path=PKG))
 """
 
+EXT2 = r"""
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '''
+#include <torch/extension.h>
+#include <stdexcept>
+int64_t error_size(int64_t x) { return static_cast<int64_t>(sizeof(c10::Error)); }
+int64_t catch_torch_internal(int64_t x) {  // thrown inside libtorch, caught here
+  try { auto t = at::empty({-1}); } catch (const c10::Error& e) { return 1; }
+  return 0;
+}
+int64_t catch_std_invalid(int64_t x) {
+  try { throw std::invalid_argument("bad"); } catch (const std::exception&) { return 3; }
+}
+int64_t throw_std_invalid(int64_t x) { throw std::invalid_argument("bad value " + std::to_string(x)); }
+int64_t throw_value_error(int64_t x) { throw c10::ValueError({__func__, __FILE__, 1}, "bad value"); }
+'''
+m = load_inline(NAME, cpp_sources=src, functions=["error_size", "catch_torch_internal", "catch_std_invalid",
+                "throw_std_invalid", "throw_value_error"], build_directory=BUILD, verbose=False)
+print("sizeof(c10::Error) in the headers:", m.error_size(0), flush=True)
+print("std::invalid_argument caught:", m.catch_std_invalid(0), flush=True)
+try:
+    m.throw_std_invalid(7)
+except Exception as e:
+    print("std::invalid_argument reached python as", type(e).__name__, str(e), flush=True)
+try:
+    torch.empty(-1)
+except RuntimeError as e:
+    print("torch-internal c10::Error reached python:", str(e).splitlines()[0], flush=True)
+print("torch-internal c10::Error caught in the extension:", m.catch_torch_internal(0), flush=True)
+try:
+    m.throw_value_error(0)
+except Exception as e:
+    print("c10::ValueError reached python as", type(e).__name__, flush=True)
+"""
+
 LOAD = """
 import torch
 runner = torch._inductor.aoti_load_package(PKG)
@@ -87,7 +125,7 @@ def run(name: str, code: str, env: dict | None = None, timeout: int = 240) -> No
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
-    which = set(sys.argv[2:]) or {"maps", "ext", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
+    which = set(sys.argv[2:]) or {"maps", "ext", "ext2", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
     pkg = str(WORK / "plain.pt2")
     sys_libs = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/lib/x86_64-linux-gnu/libgcc_s.so.1")
                         if os.path.exists(p))
@@ -108,6 +146,8 @@ def main() -> None:
             print(f"--- ldd {lib}:\n{p.stdout.rstrip()}")
     if "ext" in which:
         run("extension exceptions", ext_defs("probe_ext", []) + EXT)
+    if "ext2" in which:
+        run("extension exceptions, which side crashes", ext_defs("probe_ext2", []) + EXT2 + "")
     if "ext_fp" in which:
         run("extension exceptions, -fno-omit-frame-pointer",
             ext_defs("probe_ext_fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]) + EXT)
