@@ -10,6 +10,7 @@ Experiments, each in a fresh subprocess (exit code and the last lines of its out
   same built with frame pointers kept; ``ext_preload``: with the system libstdc++/libgcc_s preloaded;
   ``ext2``: which side crashes: sizeof(c10::Error) in the headers, std exceptions, a c10::Error
   thrown inside libtorch and caught in the extension, a c10::ValueError thrown by the extension;
+  ``ext3``: TORCH_CHECK / TORCH_CHECK_VALUE / an explicit ``throw c10::ValueError`` reaching Python;
 - ``aoti``: a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process
   (``aoti_preload``: the load with the system libraries preloaded).
 """
@@ -104,6 +105,27 @@ except Exception as e:
     print("c10::ValueError reached python as", type(e).__name__, flush=True)
 """
 
+EXT3 = r"""
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '''
+#include <torch/extension.h>
+int64_t check_out(int64_t x) { TORCH_CHECK(x < 0, "x must be negative, got ", x); return 0; }
+int64_t check_value_out(int64_t x) { TORCH_CHECK_VALUE(x < 0, "x must be negative, got ", x); return 0; }
+int64_t throw_explicit(int64_t x) {
+  if (x >= 0) throw c10::ValueError({__func__, __FILE__, 1}, c10::str("x must be negative, got ", x));
+  return 0;
+}
+'''
+m = load_inline(NAME, cpp_sources=src, functions=["check_out", "check_value_out", "throw_explicit"],
+                build_directory=BUILD, verbose=False)
+for f in ("throw_explicit", "check_value_out", "check_out"):
+    try:
+        getattr(m, f)(1)
+    except Exception as e:
+        print(f, "reached python as", type(e).__name__, str(e).splitlines()[0], flush=True)
+"""
+
 LOAD = """
 import torch
 runner = torch._inductor.aoti_load_package(PKG)
@@ -125,7 +147,7 @@ def run(name: str, code: str, env: dict | None = None, timeout: int = 240) -> No
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
-    which = set(sys.argv[2:]) or {"maps", "ext", "ext2", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
+    which = set(sys.argv[2:]) or {"maps", "ext", "ext2", "ext3", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
     pkg = str(WORK / "plain.pt2")
     sys_libs = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/lib/x86_64-linux-gnu/libgcc_s.so.1")
                         if os.path.exists(p))
@@ -148,6 +170,8 @@ def main() -> None:
         run("extension exceptions", ext_defs("probe_ext", []) + EXT)
     if "ext2" in which:
         run("extension exceptions, which side crashes", ext_defs("probe_ext2", []) + EXT2 + "")
+    if "ext3" in which:
+        run("extension exceptions reaching python", ext_defs("probe_ext3", []) + EXT3)
     if "ext_fp" in which:
         run("extension exceptions, -fno-omit-frame-pointer",
             ext_defs("probe_ext_fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]) + EXT)
