@@ -25,6 +25,7 @@ from gr_plugin.modules.hstu import HSTURanker
 from gr_plugin.modules.kv_cache import KVCacheModule
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
 from gr_plugin.ops import paged_hstu_attention
+from gr_plugin.ops.hstu_attention import _use_triton
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +81,25 @@ class CachedStackGraphs:
         cfg = cache.config
         self._max_history = cfg.num_pages * cfg.page_size
         self._scratch: int | None = None
+        self._failed: set[tuple[int, ...]] = set()  # buckets whose capture failed: eager from then on
+        self._table = None  # the KV table the graphs were captured on (they hold its address)
         self.captures = 0
         self.replays = 0
+        self.layered_replays = 0
 
     def supported(self, device: torch.device) -> bool:
-        """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels' head sizes, and
-        embedding tables read by direct lookups (a sharded module runs eagerly)."""
-        return (device.type == "cuda" and self.cache.config.head_dim in _TRITON_HEAD_DIMS
-                and self.model.embeds_by_lookup)
+        """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels serving attention
+        (not the reference, e.g. with ``GR_PLUGIN_ATTENTION=reference``: it needs host sizes) and
+        the append, and embedding tables read by direct lookups (a sharded module runs eagerly)."""
+        if device.type != "cuda" or self.cache.config.head_dim not in _TRITON_HEAD_DIMS:
+            return False
+        try:
+            import gr_plugin.ops.triton.append_kv  # noqa: F401
+        except ImportError:
+            return False
+        probe = torch.empty(0, 1, self.cache.config.head_dim, dtype=self.model.output_norm.weight.dtype,
+                            device=device)
+        return _use_triton(probe) and self.model.embeds_by_lookup
 
     # ------------------------------------------------------------------ what a graph runs
     def _embed(self, b: _Bucket) -> None:
@@ -151,8 +163,6 @@ class CachedStackGraphs:
 
     def _new_bucket(self, key: tuple[int, ...], device: torch.device) -> _Bucket:
         users, tokens, new = key
-        if self._scratch is None:
-            self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
         page = self.cache.config.page_size
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
@@ -216,32 +226,60 @@ class CachedStackGraphs:
     def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
         """The step's candidate logits ``[sum C, num_tasks]`` (a fresh tensor), or None when it
         runs eagerly: a bucket is captured the ``capture_after``-th time it is seen (a capture
-        costs far more than an eager step), at most ``max_buckets`` of them. ``layout`` must be
-        the one built on the host for ``plan`` (`RankingEngine.prepare` keeps it there)."""
+        costs far more than an eager step), at most ``max_buckets`` of them; a bucket whose capture
+        failed stays eager. ``layout`` must be the one built on the host for ``plan``
+        (`RankingEngine.prepare` keeps it there). Graphs hold the addresses of the cache's table
+        and the model's weights: a moved cache drops them (they are captured again); moving the
+        model's weights needs a new `CachedStackGraphs`."""
         meta = plan.metadata
         if layout.q_offsets.device.type != "cpu":
             raise ValueError(f"CachedStackGraphs.step needs the layout built on the host, got one on "
                              f"{layout.q_offsets.device}")
+        table = self.cache.kv_table
+        if self._table is not table:
+            if self._table is not None:
+                logger.info("the cache's KV table moved: dropping %d captured buckets", len(self._buckets))
+            self._buckets.clear()
+            self._table = table
         nq = layout.num_query_tokens
         tokens = _round_up(nq + 1, self.token_quantum)  # + 1: the padding user always has a row
         key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum))
-        b = self._buckets.get(key)
-        if b is None:
-            self._seen[key] = self._seen.get(key, 0) + 1
-            if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
-                return None
-            b = self._buckets[key] = self._new_bucket(key, self.cache.kv_table.device)
-        layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
-        self._load(b, layout, plan)
-        if (b.layered if layered else b.whole) is None:
-            self._capture(b, plan, layered)
-        if layered:
-            graphs, logits = b.layered
-            for i, g in enumerate(graphs):
-                self.cache.manager.wait_layer(plan, i)
+        if key in self._failed:
+            return None
+        with torch.cuda.device(table.device):
+            b = self._buckets.get(key)
+            if b is None:
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
+                    return None
+                if self._scratch is None:
+                    # NOTE: one page for good, taken when the first bucket is made (so an engine
+                    # that never captures keeps every page); while every page is in use, eager.
+                    try:
+                        self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
+                    except ValueError as exc:
+                        logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
+                        return None
+                b = self._buckets[key] = self._new_bucket(key, table.device)
+            layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
+            self._load(b, layout, plan)
+            if (b.layered if layered else b.whole) is None:
+                try:
+                    self._capture(b, plan, layered)
+                except torch.OutOfMemoryError as exc:
+                    # NOTE: the warm-up wrote this plan's own K/V (the eager step rewrites the same)
+                    logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
+                    del self._buckets[key]
+                    self._failed.add(key)
+                    return None
+            if layered:
+                graphs, logits = b.layered
+                for i, g in enumerate(graphs):
+                    self.cache.manager.wait_layer(plan, i)
+                    g.replay()
+                self.layered_replays += 1
+            else:
+                g, logits = b.whole
                 g.replay()
-        else:
-            g, logits = b.whole
-            g.replay()
-        self.replays += 1
-        return logits[: layout.candidate_rows.numel()].clone()
+            self.replays += 1
+            return logits[: layout.candidate_rows.numel()].clone()

@@ -100,66 +100,75 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
         assert worst_cached <= 2 * worst_full + 1e-3, (worst_cached, worst_full)
 
 
-def test_cuda_graphs_replay_the_eager_cached_step():
+def _graph_vs_eager(model, make_cache, visits, grow, capture_after=1, evict_between=False):
+    """Run the same visits through a graphed cache and an eager one (separate caches, so the graph
+    step's own appends and waits are what it reads) and return the worst logit difference, the
+    graphs and how many graph steps onboarded pages."""
     from gr_plugin.modules.graphs import CachedStackGraphs
     from gr_plugin.modules.tokens import build_token_layout
     from tests.modules.helpers import User, make_inputs
 
-    model, _, cache, _, _ = _model_pair(torch.bfloat16)
-    graphs = CachedStackGraphs(model, cache, capture_after=1)
+    g_cache, e_cache = make_cache(), make_cache()
+    graphs = CachedStackGraphs(model, g_cache, capture_after=capture_after)
+    assert graphs.supported(torch.device("cuda"))
     g = torch.Generator().manual_seed(7)
     users = [User(u, g) for u in range(2)]
-    for visit in range(4):
+    worst, onboarding = 0.0, 0
+    for visit in range(visits):
         for u in users:
-            u.grow(16 if visit else 40)  # same shape every returning visit: one bucket, replayed
+            u.grow(grow(visit))
         cands = [u.candidates(8) for u in users]
         history, candidates, lengths, keys = make_inputs(users, cands)
-        h, c = history.to("cuda"), candidates.to("cuda")
+        uids = [u.uid for u in users]
         with torch.no_grad():
-            plan = cache.begin([u.uid for u in users], lengths, keys)
-            eager = model.forward_cached(h, c, cache, plan, num_candidates=16, max_candidates=8).float()
-            host = build_token_layout(history, candidates, torch.tensor(plan.cached_lengths),
+            g_plan = g_cache.begin(uids, lengths, keys)
+            onboarding += any(g_plan.onboard_tokens)
+            host = build_token_layout(history, candidates, torch.tensor(g_plan.cached_lengths),
                                       model.config.max_positions)
-            graphed = graphs.step(host, plan).float()
-            cache.commit(plan)
-        assert (eager - graphed).abs().max().item() <= 1e-2
+            graphed = graphs.step(host, g_plan)  # first: nothing else has waited or appended for it
+            assert graphed is not None
+            g_cache.commit(g_plan)
+            e_plan = e_cache.begin(uids, lengths, keys)
+            eager = model.forward_cached(history.to("cuda"), candidates.to("cuda"), e_cache, e_plan)
+            e_cache.commit(e_plan)
+        assert g_plan.cached_lengths == e_plan.cached_lengths
+        worst = max(worst, (eager.float() - graphed.float()).abs().max().item())
+        if evict_between:  # next visit: every cached page comes up from the host tier
+            for c in (g_cache, e_cache):
+                c.manager.offload_flush()
+                c.manager.evict(uids)
+    for c in (g_cache, e_cache):
+        c.manager.check()  # the scratch page is accounted for
+    return worst, graphs, onboarding
+
+
+def test_cuda_graphs_replay_the_eager_cached_step():
+    from gr_plugin.modules import KVCacheModule
+
+    model, _, cache, _, _ = _model_pair(torch.bfloat16)
+    worst, graphs, _ = _graph_vs_eager(model, lambda: KVCacheModule(cache.config, "gpu"), 4,
+                                       lambda visit: 16 if visit else 40)
+    assert worst <= 1e-2, worst
     # 80 and 32 new events round to one padded bucket: captured once (whole step), replayed every visit
-    assert graphs.captures == 1 and graphs.replays == 4
-    cache.manager.check()  # the scratch page is accounted for
+    assert graphs.captures == 1 and graphs.replays == 4 and graphs.layered_replays == 0
 
 
 def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
-    """A step whose pages come up from the host tier replays the per-layer graphs (waits between
-    them) and scores what the eager step scores."""
-    from gr_plugin.modules.graphs import CachedStackGraphs
-    from gr_plugin.modules.tokens import build_token_layout
-    from tests.modules.helpers import User, make_inputs, tiny_cache, tiny_model
+    """A step whose pages come up from the host tier replays the per-layer graphs, each after its
+    layer's onboard wait (no other step waits for them), and scores what the eager step scores."""
+    from tests.modules.helpers import tiny_cache, tiny_model
 
     model = tiny_model(0, head_dim=16).to("cuda", torch.bfloat16)
-    cache = tiny_cache(model, num_pages=64, page_size=16, backend="native", host_pages=64, dtype="bfloat16",
-                       device="cuda")
-    graphs = CachedStackGraphs(model, cache, capture_after=1)
-    g = torch.Generator().manual_seed(3)
-    users = [User(u, g) for u in range(2)]
-    layered_steps = 0
-    for visit in range(4):
-        for u in users:
-            u.grow(16 if visit else 40)
-        cands = [u.candidates(8) for u in users]
-        history, candidates, lengths, keys = make_inputs(users, cands)
-        with torch.no_grad():
-            plan = cache.begin([u.uid for u in users], lengths, keys)
-            layered_steps += any(plan.onboard_tokens)
-            eager = model.forward_cached(history.to("cuda"), candidates.to("cuda"), cache, plan).float()
-            host = build_token_layout(history, candidates, torch.tensor(plan.cached_lengths),
-                                      model.config.max_positions)
-            graphed = graphs.step(host, plan).float()
-            cache.commit(plan)
-        assert (eager - graphed).abs().max().item() <= 1e-2
-        cache.manager.offload_flush()
-        cache.manager.evict([u.uid for u in users])  # next visit: every cached page comes from the host tier
-    assert layered_steps == 3 and graphs.replays == 4 and graphs.captures == 2  # whole, then per layer
-    cache.manager.check()
+
+    def make_cache():
+        return tiny_cache(model, num_pages=64, page_size=16, backend="native", host_pages=64, dtype="bfloat16",
+                          device="cuda")
+
+    worst, graphs, onboarding = _graph_vs_eager(model, make_cache, 4, lambda visit: 16 if visit else 40,
+                                                evict_between=True)
+    assert worst <= 1e-2, worst
+    assert onboarding == 3 and graphs.layered_replays == 3 and graphs.replays == 4
+    assert graphs.captures == 2  # the whole step (first visit), then per layer
 
 
 def test_host_built_layout_moved_in_one_copy_equals_the_device_built_one():

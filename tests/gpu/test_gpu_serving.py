@@ -1,6 +1,7 @@
 """The serving path on a GPU (marker ``gpu``): a replica's `RankingService` with CUDA graphs and the
 host tier scores a visit stream as the same service without graphs does, and as full recomputation
-does (bf16: no worse than 2x the full pass's own error against an fp32 oracle)."""
+does (bf16: no worse than 2x the full pass's own error against an fp32 oracle). The device cache is
+small and the stream is replayed twice, so users come back from the host tier too."""
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ CFG = HSTUConfig(num_items=NUM_ITEMS, num_time_buckets=32, max_positions=256, em
 
 def _service(model, graphs: bool) -> RankingService:
     kv = KVCacheConfig(num_layers=CFG.num_layers, num_heads=CFG.num_heads, head_dim=CFG.head_dim, page_size=16,
-                       num_pages=64, dtype="bfloat16", device="cuda", host_cache_bytes=1 << 22)
+                       num_pages=24, dtype="bfloat16", device="cuda", host_cache_bytes=1 << 22)
     engine = RankingEngine(model, KVCacheModule(kv, "native"), "cuda", cuda_graphs=graphs)
     return RankingService(engine, RequestLimits.for_model(CFG, max_users=8, max_history_len=200, max_candidates=32))
 
@@ -36,10 +37,10 @@ def test_graphed_service_scores_equal_the_eager_service_and_full_recomputation()
     model.load_state_dict(oracle.state_dict())
     full = RankingEngine(model, None, "cuda")
     graphed, eager = _service(model, True), _service(model, False)
-    reqs = visits(num_users=12)
+    reqs = visits(num_users=12) * 2  # the second pass finds evicted users in the host tier
     worst = {"graphed": 0.0, "eager": 0.0, "full": 0.0, "graphed-eager": 0.0}
-    for i in range(0, len(reqs), 4):
-        chunk = reqs[i : i + 4]
+    for i in range(0, len(reqs), 2):
+        chunk = reqs[i : i + 2]
         wire = [encode_batch(b) for b in chunk]
         outs = {"graphed": graphed(wire), "eager": eager(wire)}
         for j, b in enumerate(chunk):
@@ -56,7 +57,7 @@ def test_graphed_service_scores_equal_the_eager_service_and_full_recomputation()
     assert worst["graphed"] <= 2 * worst["full"] + 1e-3 and worst["eager"] <= 2 * worst["full"] + 1e-3, worst
     assert worst["graphed-eager"] <= 1e-2, worst
     stats = graphed.stats()["kvcache"]
-    assert stats["tokens_reused_device"] + stats.get("tokens_reused_host", 0) > 0
+    assert stats["tokens_reused_device"] > 0 and stats["tokens_reused_host"] > 0, stats
     graphed.close()
     eager.close()
 
