@@ -57,7 +57,9 @@ def run(workloads: tuple[str, ...] = ("ml1m", "long"), kvcache: tuple[str, ...] 
     each replica's log is copied after it stops (else it goes with the temporary directory).
     ``warm_pass``: first replay the same visits as other users (``user_id_offset``), untimed, so
     one-time costs (Triton compiles per kernel variant, CUDA-graph captures per shape bucket) stay
-    out of the figures, as a server's warm-up would keep them out of its traffic."""
+    out of the figures, as a server's warm-up would keep them out of its traffic. The warm pass's
+    users stay in the replica's tiers, so the timed replay starts with them as full as traffic
+    would have left them (its hit rates come from /metrics deltas of the timed replay)."""
     users = {"ml1m": 300, "long": 64}
     if isinstance(max_users, int):
         users = dict.fromkeys(users, max_users)
