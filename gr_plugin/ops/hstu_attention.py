@@ -2,7 +2,9 @@
 pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``, which also defines the semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
-the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests.
+the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests. The Triton kernels are forward-only:
+when autograd needs the attention's gradient (training), ``auto`` takes the reference, whose torch
+ops have a backward, and ``triton`` is an error rather than a silently cut gradient.
 """
 
 from __future__ import annotations
@@ -24,18 +26,23 @@ def _triton_ops():
     return tri
 
 
-def _use_triton(q: torch.Tensor) -> bool:
+def _use_triton(q: torch.Tensor, *more: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves these inputs (``q`` and the other differentiable inputs)."""
     mode = os.environ.get("GR_PLUGIN_ATTENTION", "auto")
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"GR_PLUGIN_ATTENTION must be auto, reference or triton, got {mode!r}")
     if mode == "reference":
         return False
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, *more))
     tri = _triton_ops()
     if mode == "triton":
         if tri is None:
             raise ValueError("GR_PLUGIN_ATTENTION=triton but triton cannot be imported here")
+        if needs_grad:
+            raise ValueError("GR_PLUGIN_ATTENTION=triton, but q/k/v require grad and the Triton HSTU attention "
+                             "kernels are forward-only: unset it (auto) to train through the torch reference")
         return True
-    return (q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
+    return (not needs_grad and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
@@ -43,7 +50,7 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
                           max_seq_len: int) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]``; see the reference for the semantics."""
-    impl = _triton_ops() if _use_triton(q) else _ref
+    impl = _triton_ops() if _use_triton(q, k, v) else _ref
     return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                       max_seq_len=max_seq_len)
 
@@ -53,7 +60,7 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V; see the reference for the semantics."""
-    impl = _triton_ops() if _use_triton(q) else _ref
+    impl = _triton_ops() if _use_triton(q, k, v, kv_layer) else _ref
     return impl.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
                                      new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=max_q_len,
                                      max_history_len=max_history_len, num_history_tokens=num_history_tokens)

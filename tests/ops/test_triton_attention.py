@@ -103,3 +103,46 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     err_kernel = (kernel.float() - exact).abs().max().item()
     err_torch = (torch_low - exact).abs().max().item()
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
+
+
+def test_training_takes_the_differentiable_path(monkeypatch):
+    """The Triton kernels are forward-only: with q/k/v requiring grad the dispatcher uses the torch
+    reference under ``auto`` (gradients flow) and refuses a forced ``triton`` rather than cutting them."""
+    from gr_plugin.ops import hstu_attention as dispatch
+
+    jag, _ = build([9, 4], [2, 3], [0, 0], 8, 2, 16, torch.float32, "cpu")
+    for name in ("q", "k", "v"):
+        jag[name] = jag[name].clone().requires_grad_()
+    pos = [jag[k] for k in ("q", "k", "v", "seq_offsets", "num_candidates")]
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="forward-only"):
+        dispatch.hstu_attention_jagged(*pos, alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    with torch.no_grad():  # inference: the kernel serves it
+        assert dispatch._use_triton(*pos[:3])
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
+    out = dispatch.hstu_attention_jagged(*pos, alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    out.square().sum().backward()
+    assert all(jag[n].grad is not None and jag[n].grad.abs().sum() > 0 for n in ("q", "k", "v"))
+
+
+@pytest.mark.gpu
+def test_gpu_training_gradients_equal_the_reference():
+    """On the GPU, a forward that needs gradients runs the reference (the kernels have no backward):
+    fp32 q/k/v gradients equal those of the reference on the CPU; in bf16 they flow (finite, non-zero)."""
+    from gr_plugin.ops import hstu_attention as dispatch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    jag, _ = build([300, 40, 0], [7, 3, 5], [0, 0, 0], 16, 2, 64, torch.float32, "cpu")
+    grads = {}
+    for key, device, dt in (("cpu", "cpu", torch.float32), ("fp32", "cuda", torch.float32),
+                            ("bf16", "cuda", torch.bfloat16)):
+        leaves = {n: jag[n].to(device, dt).requires_grad_() for n in ("q", "k", "v")}
+        out = dispatch.hstu_attention_jagged(leaves["q"], leaves["k"], leaves["v"], jag["seq_offsets"].to(device),
+                                             jag["num_candidates"].to(device), alpha=ALPHA, n_norm=NORM,
+                                             max_seq_len=jag["max_seq_len"])
+        assert out.requires_grad
+        (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
+        grads[key] = {n: t.grad.float().cpu() for n, t in leaves.items()}
+    for n in ("q", "k", "v"):
+        torch.testing.assert_close(grads["fp32"][n], grads["cpu"][n], rtol=1e-4, atol=1e-5)
+        assert torch.isfinite(grads["bf16"][n]).all() and grads["bf16"][n].abs().sum() > 0
