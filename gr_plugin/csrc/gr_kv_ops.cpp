@@ -1,7 +1,8 @@
 // The gr_kv op schemas and their CPU kernels (ATen, no Python).
 //
-// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention and gr_kv::hstu_attention_jagged
-// (frozen: docs/EXPORT.md), their boundary checks, and the CPU kernels. The semantics are those of the
+// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention, gr_kv::hstu_attention_jagged,
+// gr_kv::gather_pages and gr_kv::scatter_pages (frozen: docs/EXPORT.md), their boundary checks, and the
+// CPU kernels (gather/scatter: one kernel for every device, ATen index ops). The semantics are those of the
 // pure-torch references (gr_plugin/cache/paged_ops.py, gr_plugin/ops/pytorch/hstu_attention.py):
 //   out_i = sum_j mask_ij * SiLU(alpha * <q_i, k_j>) / n_norm * v_j, per head;
 //   a history token sees history at or before its position, a candidate sees the whole history and itself.
@@ -298,6 +299,50 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// gather_pages / scatter_pages: whole pages of every layer between the table and a contiguous staging
+// tensor [L, M, 2, P, H, D] (what offload reads and onboard writes), one call for all layers.
+
+// kv_table [L, num_pages, 2, P, H, D]; pages [M] int64 on its device (values checked on the CPU only:
+// reading CUDA values would sync the device).
+void check_pages(const Tensor& kv_table, const Tensor& pages) {
+  TORCH_CHECK_VALUE(kv_table.dim() == 6 && kv_table.size(2) == 2 && kv_table.size(3) > 0,
+                    "kv_table must be [L, num_pages, 2, P, H, D] with P > 0, got ", shape_str(kv_table));
+  check_index("pages", pages, kv_table.device());
+  if (pages.device().is_cpu()) {
+    const auto p = pages.accessor<int64_t, 1>();
+    const int64_t n = kv_table.size(1);
+    for (int64_t i = 0; i < pages.size(0); ++i) {
+      TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < n, "pages[", i, "] = ", p[i], " is outside [0, ", n, ") (num_pages)");
+    }
+  }
+}
+
+Tensor gather_pages(const Tensor& kv_table, const Tensor& pages) {
+  check_pages(kv_table, pages);
+  return kv_table.index_select(1, pages);
+}
+
+void scatter_pages(const Tensor& kv_table, const Tensor& staging, const Tensor& pages) {
+  check_pages(kv_table, pages);
+  std::vector<int64_t> want(kv_table.sizes().begin(), kv_table.sizes().end());
+  want[1] = pages.size(0);
+  TORCH_CHECK_VALUE(staging.sizes() == at::IntArrayRef(want), "staging must be [", want[0], ", ", want[1], ", ",
+                    want[2], ", ", want[3], ", ", want[4], ", ", want[5], "] (one block per page), got ",
+                    shape_str(staging));
+  TORCH_CHECK_VALUE(staging.scalar_type() == kv_table.scalar_type() && staging.device() == kv_table.device(),
+                    "staging is ", dtype_name(staging.scalar_type()), " on ", staging.device(), ", kv_table is ",
+                    dtype_name(kv_table.scalar_type()), " on ", kv_table.device());
+  if (pages.device().is_cpu()) {  // NOTE: two blocks for one page: which lands would depend on timing
+    const int64_t* p = pages.const_data_ptr<int64_t>();
+    std::vector<int64_t> sorted(p, p + pages.numel());
+    std::sort(sorted.begin(), sorted.end());
+    const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    TORCH_CHECK_VALUE(dup == sorted.end(), "pages has page ", dup == sorted.end() ? 0 : *dup, " more than once");
+  }
+  kv_table.index_copy_(1, pages, staging);
+}
+
 }  // namespace
 
 // NOTE: a FRAGMENT, not TORCH_LIBRARY: other C++ sources (the cache core) may add ops to gr_kv, and two
@@ -312,12 +357,21 @@ TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
   m.def(
       "hstu_attention_jagged(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor num_candidates, "
       "float alpha, float n_norm) -> Tensor");
+  m.def("gather_pages(Tensor kv_table, Tensor pages) -> Tensor");
+  m.def("scatter_pages(Tensor(a!) kv_table, Tensor staging, Tensor pages) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gr_kv, CPU, m) {
   m.impl("append_kv", &append_kv_cpu);
   m.impl("paged_hstu_attention", &paged_hstu_attention_cpu);
   m.impl("hstu_attention_jagged", &hstu_attention_jagged_cpu);
+}
+
+// Page gather/scatter are ATen index ops on any device: one C++ kernel (a compiled package on a GPU
+// runs it without Python too).
+TORCH_LIBRARY_IMPL(gr_kv, CompositeExplicitAutograd, m) {
+  m.impl("gather_pages", &gather_pages);
+  m.impl("scatter_pages", &scatter_pages);
 }
 
 }  // namespace gr_kv

@@ -12,6 +12,10 @@ allocation) stays outside the graph; the graph sees the cache table and small me
 - ``gr_kv::paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths,
   q_offsets, new_lengths, alpha, n_norm) -> Tensor [Nq, H, D]``.
 - ``gr_kv::hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm) -> [T, H, D]``.
+- ``gr_kv::gather_pages(kv_table, pages) -> [L, M, 2, P, H, D]``: pages ``pages [M]`` of every layer of
+  ``kv_table [L, num_pages, 2, P, H, D]``, as one contiguous staging tensor (what an offload reads).
+- ``gr_kv::scatter_pages(kv_table!, staging, pages) -> ()``: the reverse (what an onboard writes);
+  ``pages`` must be distinct. One C++ kernel (ATen index ops) serves every device.
 On the CPU the C++ kernels read the (host) metadata; on CUDA the sizes the Triton kernels need as host
 ints are upper bounds from tensor shapes, so no op syncs the device.
 
@@ -91,6 +95,16 @@ def _(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_
 @torch.library.register_fake("gr_kv::hstu_attention_jagged")
 def _(q, k, v, seq_offsets, num_candidates, alpha, n_norm):
     return torch.empty_like(q)
+
+
+@torch.library.register_fake("gr_kv::gather_pages")
+def _(kv_table, pages):
+    return kv_table.new_empty((kv_table.shape[0], pages.shape[0], *kv_table.shape[2:]))
+
+
+@torch.library.register_fake("gr_kv::scatter_pages")
+def _(kv_table, staging, pages) -> None:
+    return None
 
 
 @functools.cache

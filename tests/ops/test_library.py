@@ -200,3 +200,71 @@ def test_cuda_calls_decompose_into_triton_kernels_for_inductor():
     # NOTE: without a GPU driver Triton cannot analyse which arguments a kernel writes, so every
     # argument counts as mutated; the table must be among them (on a GPU it is the only one).
     assert "arg0_1" in got["mutated"]
+
+
+def _table(pages=7, dtype=torch.float32):
+    return torch.randn(3, pages, 2, 4, 2, 8).to(dtype)  # [L, num_pages, 2, P, H, D]
+
+
+@pytest.mark.parametrize("op", ["gather_pages", "scatter_pages"])
+def test_page_ops_schemas_and_kernel_are_cpp(op):
+    dump = torch._C._dispatch_dump(f"gr_kv::{op}")
+    lines = {line.split(":")[0]: line for line in dump.splitlines()}
+    assert "gr_kv_ops.cpp" in lines["debug"] and "gr_kv_ops.cpp" in lines["CompositeExplicitAutograd[alias]"]
+
+
+def test_opcheck_page_gather_and_scatter():
+    table, pages = _table(), torch.tensor([5, 0, 3])
+    torch.library.opcheck(OPS.gather_pages.default, (table, pages))
+    staging = torch.randn(3, 3, 2, 4, 2, 8)
+    torch.library.opcheck(OPS.scatter_pages.default, (table.clone(), staging, pages))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_gather_then_scatter_moves_whole_pages_of_every_layer(dtype):
+    table, pages = _table(dtype=dtype), torch.tensor([6, 1, 2])
+    staging = OPS.gather_pages(table, pages)
+    assert staging.shape == (3, 3, 2, 4, 2, 8) and staging.is_contiguous()
+    assert torch.equal(staging, table[:, pages])
+    other = torch.zeros_like(table)
+    OPS.scatter_pages(other, staging, torch.tensor([0, 4, 5]))
+    assert torch.equal(other[:, [0, 4, 5]], table[:, pages])
+    assert other[:, [1, 2, 3, 6]].abs().sum() == 0  # nothing else written
+    assert OPS.gather_pages(table, torch.zeros(0, dtype=torch.int64)).shape == (3, 0, 2, 4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "match"),
+    [
+        ("gather", lambda t: (t, torch.tensor([0, 7])), r"pages\[1\] = 7 is outside \[0, 7\)"),
+        ("gather", lambda t: (t, torch.tensor([-1])), r"pages\[0\] = -1 is outside"),
+        ("gather", lambda t: (t, torch.tensor([0], dtype=torch.int32)), "pages must be a 1-D int64"),
+        ("gather", lambda t: (t[0], torch.tensor([0])), r"\[L, num_pages, 2, P, H, D\]"),
+        ("scatter", lambda t: (t, torch.randn(3, 2, 2, 4, 2, 8), torch.tensor([1])), r"staging must be \[3, 1, 2"),
+        ("scatter", lambda t: (t, torch.randn(3, 2, 2, 4, 2, 8).double(), torch.tensor([1, 2])),
+         "staging is torch.float64"),
+        ("scatter", lambda t: (t, torch.randn(3, 2, 2, 4, 2, 8), torch.tensor([3, 3])), "page 3 more than once"),
+        ("scatter", lambda t: (t, torch.randn(3, 1, 2, 4, 2, 8), torch.tensor([9])), r"pages\[0\] = 9 is outside"),
+    ],
+)
+def test_page_ops_bad_inputs_are_named_and_change_nothing(op, args, match):
+    table = _table()
+    before = table.clone()
+    fn = OPS.gather_pages if op == "gather" else OPS.scatter_pages
+    with pytest.raises(ValueError, match=match):
+        fn(*args(table))
+    assert torch.equal(table, before)
+
+
+def test_exported_scatter_keeps_its_mutation():
+    class Onboard(torch.nn.Module):
+        def forward(self, kv_table, staging, pages):
+            OPS.scatter_pages(kv_table, staging, pages)
+            return OPS.gather_pages(kv_table, pages).sum()
+
+    table, staging, pages = _table(), torch.randn(3, 2, 2, 4, 2, 8), torch.tensor([4, 1])
+    ep = torch.export.export(Onboard(), (table.clone(), staging, pages)).run_decompositions()
+    assert "kv_table" in ep.graph_signature.user_inputs_to_mutate.values()
+    got_table = table.clone()
+    out = ep.module()(got_table, staging, pages)
+    assert torch.equal(got_table[:, pages], staging) and torch.allclose(out, staging.sum())
