@@ -1,7 +1,8 @@
 // The gr_kv op schemas and their CPU kernels (ATen, no Python).
 //
-// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention, gr_kv::hstu_attention_jagged,
-// gr_kv::gather_pages and gr_kv::scatter_pages (frozen: docs/EXPORT.md), their boundary checks, and the
+// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention, gr_kv::hstu_attention_jagged, their
+// whole-table forms gr_kv::append_kv_layer and gr_kv::paged_hstu_attention_layer, gr_kv::gather_pages and
+// gr_kv::scatter_pages (frozen: docs/EXPORT.md), their boundary checks, and the
 // CPU kernels (gather/scatter: one kernel for every device, ATen index ops). The semantics are those of the
 // pure-torch references (gr_plugin/cache/paged_ops.py, gr_plugin/ops/pytorch/hstu_attention.py):
 //   out_i = sum_j mask_ij * SiLU(alpha * <q_i, k_j>) / n_norm * v_j, per head;
@@ -300,6 +301,32 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
 }
 
 // ---------------------------------------------------------------------------------------------------
+// append_kv_layer / paged_hstu_attention_layer: the same on layer `layer` of the whole table
+// kv_table [L, num_pages, 2, P, H, D]. A compiled graph then passes the table itself (storage offset
+// 0) instead of a view per layer: AOTInductor drops a mutable view's storage offset under dynamic
+// shapes (pytorch/pytorch#198068), which a dynamic page dimension makes every layer's view have.
+
+Tensor table_layer(const Tensor& kv_table, int64_t layer) {
+  TORCH_CHECK_VALUE(kv_table.dim() == 6, "kv_table must be [L, num_pages, 2, P, H, D], got ", shape_str(kv_table));
+  TORCH_CHECK_VALUE(layer >= 0 && layer < kv_table.size(0), "layer ", layer, " is outside [0, ", kv_table.size(0),
+                    ") (layers of kv_table)");
+  return kv_table.select(0, layer);
+}
+
+void append_kv_layer_cpu(const Tensor& kv_table, int64_t layer, const Tensor& k, const Tensor& v,
+                         const Tensor& slots, const Tensor& rows) {
+  append_kv_cpu(table_layer(kv_table, layer), k, v, slots, rows);
+}
+
+Tensor paged_hstu_attention_layer_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_table,
+                                      int64_t layer, const Tensor& kv_indices, const Tensor& kv_indptr,
+                                      const Tensor& history_lengths, const Tensor& q_offsets,
+                                      const Tensor& new_lengths, double alpha, double n_norm) {
+  return paged_hstu_attention_cpu(q, k, v, table_layer(kv_table, layer), kv_indices, kv_indptr, history_lengths,
+                                  q_offsets, new_lengths, alpha, n_norm);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // gather_pages / scatter_pages: whole pages of every layer between the table and a contiguous staging
 // tensor [L, M, 2, P, H, D] (what offload reads and onboard writes), one call for all layers.
 
@@ -357,6 +384,11 @@ TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
   m.def(
       "hstu_attention_jagged(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor num_candidates, "
       "float alpha, float n_norm) -> Tensor");
+  m.def("append_kv_layer(Tensor(a!) kv_table, int layer, Tensor k, Tensor v, Tensor slots, Tensor rows) -> ()");
+  m.def(
+      "paged_hstu_attention_layer(Tensor q, Tensor k, Tensor v, Tensor kv_table, int layer, Tensor kv_indices, "
+      "Tensor kv_indptr, Tensor history_lengths, Tensor q_offsets, Tensor new_lengths, float alpha, float n_norm) "
+      "-> Tensor");
   m.def("gather_pages(Tensor kv_table, Tensor pages) -> Tensor");
   m.def("scatter_pages(Tensor(a!) kv_table, Tensor staging, Tensor pages) -> ()");
 }
@@ -365,6 +397,8 @@ TORCH_LIBRARY_IMPL(gr_kv, CPU, m) {
   m.impl("append_kv", &append_kv_cpu);
   m.impl("paged_hstu_attention", &paged_hstu_attention_cpu);
   m.impl("hstu_attention_jagged", &hstu_attention_jagged_cpu);
+  m.impl("append_kv_layer", &append_kv_layer_cpu);
+  m.impl("paged_hstu_attention_layer", &paged_hstu_attention_layer_cpu);
 }
 
 // Page gather/scatter are ATen index ops on any device: one C++ kernel (a compiled package on a GPU

@@ -12,6 +12,7 @@ not own the cache policy (lookup / allocate / commit: `KVCacheManager`) nor the 
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.cache import BatchPlan
+from gr_plugin.cache.metadata import build_metadata
 from gr_plugin.export.stack import CachedLayerStack
 from gr_plugin.modules.hstu import HSTURanker
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, build_token_layout
@@ -87,17 +89,43 @@ def program_inputs(model: HSTURanker, kv_table: torch.Tensor, history: KeyedJagg
         kv_table=kv_table)
 
 
+def full_pass_inputs(model: HSTURanker, kv_table: torch.Tensor, history: KeyedJaggedTensor,
+                     candidates: KeyedJaggedTensor) -> ProgramInputs:
+    """Inputs that run a request as a full pass through the same program, without the cache: every
+    history event is new and goes into a scratch table of the batch's own pages (``kv_table``'s
+    layout and dtype, none of its storage; user ``b``'s pages follow user ``b-1``'s). What a runner
+    does with a batch that does not fit in its cache."""
+    page_size = kv_table.shape[3]
+    lengths = history.lengths()[: history.stride()].tolist()
+    page_lists, at = [], 0
+    for n in lengths:
+        count = -(-n // page_size)
+        page_lists.append(array("q", range(at, at + count)))
+        at += count
+    meta = build_metadata(page_lists, [0] * len(lengths), lengths, page_size, kv_table.device)
+    layout = build_token_layout(history, candidates, meta.cached_lengths, model.config.max_positions)
+    scratch = kv_table.new_zeros((kv_table.shape[0], max(at, 1), *kv_table.shape[2:]))
+    n = layout.num_query_tokens
+    return ProgramInputs(
+        token_ids=layout.features.values().view(len(EMBEDDING_KEYS), n), q_offsets=layout.q_offsets,
+        new_rows=layout.new_rows, slots=meta.new_token_slots, kv_indices=meta.kv_indices, kv_indptr=meta.kv_indptr,
+        history_lengths=meta.total_lengths, new_lengths=meta.new_lengths, candidate_rows=layout.candidate_rows,
+        kv_table=scratch)
+
+
 def export_program(model: HSTURanker, example: ProgramInputs) -> torch.export.ExportedProgram:
-    """``torch.export`` of the cached step with dynamic query tokens, new events, pages, users and
-    candidates. ``example`` should have >= 2 users, candidates and new events (sizes 0 and 1 would be
+    """``torch.export`` of the cached step with dynamic query tokens, new events, pages, users,
+    candidates and table pages (``kv_table``'s page count: a caller may pass a scratch table of any
+    size, e.g. to run a batch that does not fit in its cache as a full pass). ``example`` should have
+    >= 2 users, candidates and new events and a table of >= 2 pages (sizes 0 and 1 would be
     specialised); the package then accepts any size, 0 new events included."""
     dim = torch.export.Dim
     tokens, new, pages = dim("tokens", min=1), dim("new", min=0), dim("pages", min=0)
-    users, cands = dim("users", min=1), dim("candidates", min=1)
+    users, cands, table_pages = dim("users", min=1), dim("candidates", min=1), dim("table_pages", min=1)
     users1 = users + 1
     shapes = {"token_ids": {1: tokens}, "q_offsets": {0: users1}, "new_rows": {0: new}, "slots": {0: new},
               "kv_indices": {0: pages}, "kv_indptr": {0: users1}, "history_lengths": {0: users},
-              "new_lengths": {0: users}, "candidate_rows": {0: cands}, "kv_table": None}
+              "new_lengths": {0: users}, "candidate_rows": {0: cands}, "kv_table": {1: table_pages}}
     with torch.no_grad():
         return torch.export.export(CachedRankerProgram(model).eval(), example.args(), dynamic_shapes=shapes,
                                    strict=False)

@@ -2,9 +2,11 @@
 
 Owns the graph the exporter sees: the HSTU layers (the model's own modules, shared weights), and as
 inputs the step's small metadata tensors and the device KV table, which the graph mutates through
-``gr_kv::append_kv`` (an input, not a buffer: a compiled package then writes the caller's cache table
-instead of a copy baked into the package). Lookup, allocation and LRU stay outside, in `KVCacheManager`, which
-produces those tensors. The whole step around it (embeddings, head) is `gr_plugin.export.model`.
+``gr_kv::append_kv_layer`` (an input, not a buffer: a compiled package then writes the caller's cache
+table instead of a copy baked into the package; the whole table with a layer index, not a per-layer
+view, because AOTInductor loses a mutable view's offset when the table's page count is dynamic).
+Lookup, allocation and LRU stay outside, in `KVCacheManager`, which produces those tensors. The
+whole step around it (embeddings, head) is `gr_plugin.export.model`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ class CachedLayerStack(nn.Module):
         rest is the plan's CSR page metadata."""
         for i, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x)
-            torch.ops.gr_kv.append_kv(kv_table[i], k, v, slots, rows)
-            a = torch.ops.gr_kv.paged_hstu_attention(q, k, v, kv_table[i], kv_indices, kv_indptr,
-                                                     history_lengths, q_offsets, new_lengths, layer.alpha,
-                                                     layer.n_norm)
+            torch.ops.gr_kv.append_kv_layer(kv_table, i, k, v, slots, rows)
+            a = torch.ops.gr_kv.paged_hstu_attention_layer(q, k, v, kv_table, i, kv_indices, kv_indptr,
+                                                           history_lengths, q_offsets, new_lengths, layer.alpha,
+                                                           layer.n_norm)
             x = layer.finish(x, u, a)
         return x

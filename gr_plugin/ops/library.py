@@ -12,6 +12,10 @@ allocation) stays outside the graph; the graph sees the cache table and small me
 - ``gr_kv::paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths,
   q_offsets, new_lengths, alpha, n_norm) -> Tensor [Nq, H, D]``.
 - ``gr_kv::hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm) -> [T, H, D]``.
+- ``gr_kv::append_kv_layer(kv_table!, layer, k, v, slots, rows)`` and
+  ``gr_kv::paged_hstu_attention_layer(q, k, v, kv_table, layer, ...)``: the two ops above on layer
+  ``layer`` of the whole table ``[L, num_pages, 2, P, H, D]`` (what the exported stack calls: a graph
+  then mutates the table itself, not a per-layer view; see gr_plugin/export/stack.py).
 - ``gr_kv::gather_pages(kv_table, pages) -> [L, M, 2, P, H, D]``: pages ``pages [M]`` of every layer of
   ``kv_table [L, num_pages, 2, P, H, D]``, as one contiguous staging tensor (what an offload reads).
 - ``gr_kv::scatter_pages(kv_table!, staging, pages) -> ()``: the reverse (what an onboard writes);
@@ -97,6 +101,24 @@ def _(q, k, v, seq_offsets, num_candidates, alpha, n_norm):
     return torch.empty_like(q)
 
 
+def _layer(kv_table: torch.Tensor, layer: int) -> torch.Tensor:
+    if kv_table.dim() != 6:
+        raise ValueError(f"kv_table must be [L, num_pages, 2, P, H, D], got {tuple(kv_table.shape)}")
+    if not 0 <= layer < kv_table.shape[0]:
+        raise ValueError(f"layer {layer} is outside [0, {kv_table.shape[0]}) (layers of kv_table)")
+    return kv_table.select(0, layer)
+
+
+@torch.library.register_fake("gr_kv::append_kv_layer")
+def _(kv_table, layer, k, v, slots, rows) -> None:
+    return None
+
+
+@torch.library.register_fake("gr_kv::paged_hstu_attention_layer")
+def _(q, k, v, kv_table, layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha, n_norm):
+    return torch.empty_like(q)
+
+
 @torch.library.register_fake("gr_kv::gather_pages")
 def _(kv_table, pages):
     return kv_table.new_empty((kv_table.shape[0], pages.shape[0], *kv_table.shape[2:]))
@@ -150,6 +172,18 @@ def _(*args):
     return _jagged_cuda(_triton("hstu_attention"), *args)
 
 
+@torch.library.register_kernel("gr_kv::append_kv_layer", "cuda")
+def _(kv_table, layer, k, v, slots, rows) -> None:
+    kv_layer = _layer(kv_table, layer)
+    check_append(kv_layer, k, v, slots, rows)
+    _triton("append_kv").append_kv(kv_layer, k, v, slots, rows)
+
+
+@torch.library.register_kernel("gr_kv::paged_hstu_attention_layer", "cuda")
+def _(q, k, v, kv_table, layer, *rest):
+    return _paged_cuda(_triton("hstu_attention"), q, k, v, _layer(kv_table, layer), *rest)
+
+
 # ---- CUDA inside compiled graphs: the same launchers, their kernels wrapped with wrap_triton ----
 
 @functools.cache
@@ -174,6 +208,10 @@ def traceable_triton(name: str) -> types.SimpleNamespace:
 def _decomposed(op_name: str, args: tuple):
     """The traced body of a CUDA call. NOTE: ``num_splits=1``: the launchers' split heuristic compares
     symbolic sizes (and takes ``bit_length`` of one), which dynamic shapes cannot do."""
+    if op_name == "append_kv_layer":  # the same kernels on the layer's view of the table
+        op_name, args = "append_kv", (_layer(args[0], args[1]), *args[2:])
+    elif op_name == "paged_hstu_attention_layer":
+        op_name, args = "paged_hstu_attention", (*args[:3], _layer(args[3], args[4]), *args[5:])
     if op_name == "append_kv":
         check_append(*args)
         return traceable_triton("append_kv").append_kv(*args)
@@ -208,5 +246,6 @@ def _register_triton_decomposition(op_name: str) -> None:
     torch.library.register_torch_dispatch(f"gr_kv::{op_name}", FunctionalTensorMode, rule)
 
 
-for _name in ("append_kv", "paged_hstu_attention", "hstu_attention_jagged"):
+for _name in ("append_kv", "paged_hstu_attention", "hstu_attention_jagged", "append_kv_layer",
+              "paged_hstu_attention_layer"):
     _register_triton_decomposition(_name)

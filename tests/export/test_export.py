@@ -5,7 +5,7 @@ visits per user, so the cache is hit)."""
 import pytest
 import torch
 
-from gr_plugin.export.model import CachedRankerProgram, export_program, program_inputs
+from gr_plugin.export.model import CachedRankerProgram, export_program, full_pass_inputs, program_inputs
 from gr_plugin.export.runner import PackagedCachedRanker, export_package
 
 from ..modules.helpers import User, make_inputs, tiny_cache, tiny_model
@@ -49,7 +49,8 @@ def test_export_declares_the_table_mutation():
     program = export_program(model, program_inputs(model, cache.kv_table, history, candidates, plan))
     assert torch.equal(cache.kv_table, table)  # exporting only traces
     ops = {str(n.target) for n in program.graph.nodes}
-    assert {"gr_kv.append_kv.default", "gr_kv.paged_hstu_attention.default", "aten.embedding.default"} <= ops
+    assert {"gr_kv.append_kv_layer.default", "gr_kv.paged_hstu_attention_layer.default",
+            "aten.embedding.default"} <= ops
     decomposed = program.run_decompositions()
     assert list(decomposed.graph_signature.user_inputs_to_mutate.values()) == ["kv_table"]
     # the weights are the model's (shared, not copied into the program at export time)
@@ -90,6 +91,15 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
         if grow == 0:
             assert sum(plan.metadata.new_lengths.tolist()) == 0  # every history event was cached
     cache.manager.check()
+    # the same package as a full pass, without the cache: a batch-sized scratch table (its page count
+    # is a dynamic dimension of the package), the cache's table untouched
+    before = cache.kv_table.clone()
+    inputs = full_pass_inputs(model, cache.kv_table, history, candidates)
+    assert inputs.kv_table.shape[1] != cache.kv_table.shape[1]
+    with torch.no_grad():
+        got = packaged.program(*inputs.args())
+    assert (got - full).abs().max().item() <= 1e-5
+    assert torch.equal(cache.kv_table, before)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,8 @@ def _ref_paged(p):
                                     max_history_len=p["max_history_len"], num_history_tokens=p["num_history_tokens"])
 
 
-@pytest.mark.parametrize("op", ["append_kv", "paged_hstu_attention", "hstu_attention_jagged"])
+@pytest.mark.parametrize("op", ["append_kv", "paged_hstu_attention", "hstu_attention_jagged", "append_kv_layer",
+                                "paged_hstu_attention_layer"])
 def test_cpu_kernels_and_schemas_are_cpp(op):
     dump = torch._C._dispatch_dump(f"gr_kv::{op}")
     lines = {line.split(":")[0]: line for line in dump.splitlines()}
@@ -268,3 +269,36 @@ def test_exported_scatter_keeps_its_mutation():
     got_table = table.clone()
     out = ep.module()(got_table, staging, pages)
     assert torch.equal(got_table[:, pages], staging) and torch.allclose(out, staging.sum())
+
+
+def test_layer_ops_equal_the_per_layer_ops_and_pass_opcheck():
+    """append_kv_layer / paged_hstu_attention_layer on layer i of the whole table [L, ...] do what the
+    per-layer ops do on table[i], and touch no other layer."""
+    p = _paged()
+    table = torch.stack([torch.randn_like(p["kv_layer"]), p["kv_layer"], torch.randn_like(p["kv_layer"])])
+    args = [p[a] for a in PAGED_ARGS]
+    torch.library.opcheck(OPS.paged_hstu_attention_layer.default, (*args[:3], table, 1, *args[4:], ALPHA, NORM))
+    torch.testing.assert_close(OPS.paged_hstu_attention_layer(*args[:3], table, 1, *args[4:], ALPHA, NORM),
+                               _call_paged(p), rtol=0, atol=0)
+    k, v = torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    slots, rows = torch.tensor([0, 5, 19]), torch.tensor([8, 0, 3])
+    torch.library.opcheck(OPS.append_kv_layer.default, (table.clone(), 2, k, v, slots, rows))
+    want = table.clone()
+    OPS.append_kv(want[2], k, v, slots, rows)
+    got = table.clone()
+    OPS.append_kv_layer(got, 2, k, v, slots, rows)
+    assert torch.equal(got, want) and torch.equal(got[:2], table[:2])
+
+
+@pytest.mark.parametrize("layer", [-1, 3])
+def test_layer_ops_name_a_bad_layer_and_change_nothing(layer):
+    p = _paged()
+    table = torch.stack([p["kv_layer"]] * 3)
+    before = table.clone()
+    with pytest.raises(ValueError, match=rf"layer {layer} is outside \[0, 3\)"):
+        OPS.append_kv_layer(table, layer, torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([0, 1]),
+                            torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=rf"layer {layer} is outside \[0, 3\)"):
+        args = [p[a] for a in PAGED_ARGS]
+        OPS.paged_hstu_attention_layer(*args[:3], table, layer, *args[4:], ALPHA, NORM)
+    assert torch.equal(table, before)
