@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from gr_plugin.export.model import INPUT_NAMES, program_inputs
+from gr_plugin.export.model import INPUT_NAMES, full_pass_inputs, program_inputs
 from gr_plugin.modules import HSTURanker, KVCacheModule, cache_token_keys
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,9 @@ def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[Str
     """Score ``batches`` in order with eager cached inference on ``cache`` (CPU, device pages only:
     what the C++ runner keeps) and write the stream to directory ``path``. ``with_inputs`` also
     saves the package inputs Python builds for each batch (the runner compares its own to them).
-    A batch that does not fit in the cache is a ``ValueError`` (the runner has no full-pass fallback)."""
+    A batch that does not fit in the cache is scored by full recomputation (its cached lengths 0,
+    its inputs those of a full pass through a scratch table, `full_pass_inputs`), as the engine
+    and the runner do."""
     cfg, mcfg = cache.config, model.config
     if cache.manager.backend is not None:
         raise ValueError(f"record the stream with a device-only cache (backend 'gpu'), got "
@@ -161,27 +163,32 @@ def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[Str
         keys = cache_token_keys(events[0], events[1], events[2])
         plan = cache.begin(list(batch.user_ids), lengths.tolist(), keys)
         if plan is None:
-            raise ValueError(f"batch {t} ({len(batch.user_ids)} users, {int(lengths.sum())} events) does not fit "
-                             f"in a cache of {cfg.num_pages} pages of {cfg.page_size}")
+            logger.info("batch %d (%d users, %d events) does not fit in a cache of %d pages: full pass", t,
+                        len(batch.user_ids), int(lengths.sum()), cfg.num_pages)
         try:
             if with_inputs:
-                inputs = program_inputs(model, cache.kv_table, history, candidates, plan)
+                inputs = (program_inputs(model, cache.kv_table, history, candidates, plan) if plan is not None
+                          else full_pass_inputs(model, cache.kv_table, history, candidates))
                 ints = [getattr(inputs, n).reshape(-1) for n in INT_INPUTS]
                 cols["input_sizes"].append(torch.tensor([x.numel() for x in ints], dtype=torch.int64))
                 cols["input_values"].append(torch.cat(ints).to(torch.int64))
             with torch.no_grad():
-                logits = model.forward_cached(history, candidates, cache, plan)
+                logits = (model.forward_cached(history, candidates, cache, plan) if plan is not None
+                          else model(history, candidates))
         except BaseException:
-            cache.abort(plan)
+            if plan is not None:
+                cache.abort(plan)
             raise
-        cache.commit(plan)
+        if plan is not None:
+            cache.commit(plan)
         cols["user_ids"].append(torch.tensor(batch.user_ids, dtype=torch.int64))
         cols["history_lengths"].append(lengths.to(torch.int64))
         cols["candidate_lengths"].append(candidates.lengths().to(torch.int64))
         cols["history_events"].append(events.t().to(torch.int64))
         cols["candidate_items"].append(candidates.values().to(torch.int64))
         cols["scores"].append(logits.detach().float().cpu())
-        cols["cached_lengths"].append(torch.tensor(plan.cached_lengths, dtype=torch.int64))
+        cached = plan.cached_lengths if plan is not None else [0] * len(batch.user_ids)
+        cols["cached_lengths"].append(torch.tensor(cached, dtype=torch.int64))
         batch_offsets.append(batch_offsets[-1] + len(batch.user_ids))
     if len(batch_offsets) == 1:
         raise ValueError("no batches to record")

@@ -3,7 +3,10 @@
 //
 // Per batch: cache lookup + allocate through the C++ cache core (gr_plugin/csrc/core), the package's
 // inputs built in C++ (layout.h), the package run (AOTIModelPackageLoader; the gr_kv ops come from
-// the C++ ops library, dlopen'ed first), then commit (abort on error, or always in --mode miss).
+// the C++ ops library, dlopen'ed first), then commit (abort on error, or always in --mode miss). A
+// batch that does not fit in the cache runs as a full pass through the same package: every event
+// new, written into a scratch table of the batch's own pages (the package's table page count is
+// dynamic), the cache untouched; as the Python engine falls back.
 // Reports timing (p50/p99), the hit rate and the max abs diff of the scores against the Python
 // path's (recorded in the stream). Exit status: 0 ok; 1 a score differs by more than the tolerance
 // or the inputs differ from Python's; 2 bad usage, stream, package or a failed step.
@@ -93,7 +96,7 @@ void load_ops(const std::string& path) {
   if (dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
     throw std::runtime_error("cannot load the gr_kv ops library " + path + ": " + dlerror());
   }
-  for (const char* op : {"gr_kv::append_kv", "gr_kv::paged_hstu_attention"}) {
+  for (const char* op : {"gr_kv::append_kv_layer", "gr_kv::paged_hstu_attention_layer"}) {
     if (!c10::Dispatcher::singleton().findSchema({op, ""}).has_value()) {
       throw std::runtime_error(path + " does not register " + op);
     }
@@ -134,7 +137,7 @@ int compare_inputs(const gr_runner::StepInputs& mine, const BatchView& batch, st
 }
 
 struct Totals {
-  int64_t users = 0, history_tokens = 0, cached_tokens = 0, candidates = 0;
+  int64_t users = 0, history_tokens = 0, cached_tokens = 0, candidates = 0, fell_back = 0;
   int64_t inputs_compared = 0, inputs_equal = 0, cached_equal = 0;
   double max_abs_diff = 0.0;
   std::vector<double> step_ms, run_ms;
@@ -188,33 +191,47 @@ int run(const Options& o) {
       at += lengths[b];
     }
     gr_kv_core::AllocResult plan = core.allocate(users, lengths, dev, versions, host);
-    if (plan.status != gr_kv_core::AllocStatus::kOk) {
-      throw std::runtime_error("batch " + std::to_string(t) + " (" + std::to_string(B) + " users, " +
-                               std::to_string(batch.num_events) + " events) does not fit in the cache: status " +
-                               std::to_string(static_cast<int64_t>(plan.status)) + ", " + std::to_string(plan.demand) +
-                               " pages needed of " + std::to_string(num_pages));
+    const bool fits = plan.status == gr_kv_core::AllocStatus::kOk;
+    if (!fits && plan.status != gr_kv_core::AllocStatus::kNoFit && plan.status != gr_kv_core::AllocStatus::kTooBig) {
+      throw std::runtime_error("batch " + std::to_string(t) + " (" + std::to_string(B) + " users): allocate failed "
+                               "with status " + std::to_string(static_cast<int64_t>(plan.status)));
+    }
+    // A batch that does not fit (nothing in the cache changed): a full pass, its own pages in a scratch table.
+    gr_kv_core::BatchMetadata full_meta;
+    at::Tensor table = kv_table;
+    if (!fits) {
+      std::vector<int64_t> counts(B), none(B, 0), indices;
+      for (size_t b = 0; b < B; ++b) {
+        counts[b] = (lengths[b] + P - 1) / P;
+        for (int64_t p = 0; p < counts[b]; ++p) indices.push_back(static_cast<int64_t>(indices.size()));
+      }
+      full_meta = gr_kv_core::build_metadata(indices.data(), counts, none, lengths, P);
+      std::vector<int64_t> shape(kv_table.sizes().begin(), kv_table.sizes().end());
+      shape[1] = std::max<int64_t>(1, static_cast<int64_t>(indices.size()));
+      table = at::zeros(shape, kv_table.options());
+      tot.fell_back += 1;
     }
     at::Tensor logits;
     gr_runner::StepInputs in;
     Clock::time_point t1, t2;
     try {
-      in = gr_runner::build_step_inputs(batch, plan.metadata, P, max_positions);
+      in = gr_runner::build_step_inputs(batch, fits ? plan.metadata : full_meta, P, max_positions);
       auto& v = in.values;
       std::vector<at::Tensor> args{as_tensor(v[0], {4, in.num_query_tokens})};
       for (int i = 1; i < gr_runner::kNumIntInputs; ++i) args.push_back(as_tensor(v[i], {static_cast<int64_t>(v[i].size())}));
-      args.push_back(kv_table);
+      args.push_back(table);
       t1 = Clock::now();
       std::vector<at::Tensor> out = loader->run(args);
       t2 = Clock::now();
       if (out.size() != 1) throw std::runtime_error("the package returned " + std::to_string(out.size()) + " outputs");
       logits = out[0].to(at::kFloat).contiguous();
     } catch (...) {
-      core.abort(plan.plan_id);
+      if (fits) core.abort(plan.plan_id);
       throw;
     }
-    if (hit) {
+    if (fits && hit) {
       core.commit(plan.plan_id, refs);
-    } else {
+    } else if (fits) {
       core.abort(plan.plan_id);
     }
     const auto t3 = Clock::now();
@@ -233,8 +250,9 @@ int run(const Options& o) {
     int64_t cached = 0;
     bool cached_equal = true;
     for (size_t b = 0; b < B; ++b) {
-      cached += plan.cached_lengths[b];
-      cached_equal &= plan.cached_lengths[b] == batch.cached_lengths[b];
+      const int64_t c = fits ? plan.cached_lengths[b] : 0;
+      cached += c;
+      cached_equal &= c == batch.cached_lengths[b];
     }
     tot.users += static_cast<int64_t>(B);
     tot.history_tokens += batch.num_events;
@@ -285,6 +303,7 @@ int run(const Options& o) {
   add("candidates", static_cast<double>(tot.candidates), true);
   add("history_tokens", static_cast<double>(tot.history_tokens), true);
   add("cached_tokens", static_cast<double>(tot.cached_tokens), true);
+  add("full_pass_batches", static_cast<double>(tot.fell_back), true);
   add("hit_rate", tot.history_tokens ? static_cast<double>(tot.cached_tokens) / static_cast<double>(tot.history_tokens) : 0.0);
   add("step_ms_p50", percentile(tot.step_ms, 0.5));
   add("step_ms_p90", percentile(tot.step_ms, 0.9));
