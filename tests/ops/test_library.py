@@ -165,13 +165,20 @@ from tests.ops.test_triton_attention import build
 library.decompose_on = lambda tensors: True  # as for CUDA tensors
 _, p = build([37, 0, 20], [3, 2, 1], [20, 0, 20], 8, 2, 16, torch.float32, "cpu")
 
+WHOLE_TABLE = sys.argv[1] == "layer"  # the whole-table ops (the exported stack's), on layer 1 of 2
+
 class Step(torch.nn.Module):
     def forward(self, table, q, k, v, slots, rows, kv_indices, kv_indptr, hist, q_offsets, new):
+        if WHOLE_TABLE:
+            torch.ops.gr_kv.append_kv_layer(table, 1, k, v, slots, rows)
+            return (torch.ops.gr_kv.paged_hstu_attention_layer(q, k, v, table, 1, kv_indices, kv_indptr, hist,
+                                                               q_offsets, new, 0.3, 16.0),)
         torch.ops.gr_kv.append_kv(table, k, v, slots, rows)
         return (torch.ops.gr_kv.paged_hstu_attention(q, k, v, table, kv_indices, kv_indptr, hist, q_offsets, new,
                                                      0.3, 16.0),)
 
-args = (p["kv_layer"], p["q"], p["k"], p["v"], torch.tensor([63, 62]), torch.tensor([0, 1]), p["kv_indices"],
+table = torch.stack([p["kv_layer"], p["kv_layer"]]) if WHOLE_TABLE else p["kv_layer"]
+args = (table, p["q"], p["k"], p["v"], torch.tensor([63, 62]), torch.tensor([0, 1]), p["kv_indices"],
         p["kv_indptr"], p["history_lengths"], p["q_offsets"], p["new_lengths"])
 gm, sig = aot_export_module(Step(), args, trace_joint=False)
 json.dump({"targets": sorted({str(n.target) for n in gm.graph.nodes}),
@@ -179,7 +186,8 @@ json.dump({"targets": sorted({str(n.target) for n in gm.graph.nodes}),
 """
 
 
-def test_cuda_calls_decompose_into_triton_kernels_for_inductor():
+@pytest.mark.parametrize("form", ["view", "layer"])
+def test_cuda_calls_decompose_into_triton_kernels_for_inductor(form):
     """What Inductor (AOTInductor's compile) traces for a CUDA call: the Triton kernels as
     ``triton_kernel_wrapper_functional`` nodes (compiled into the package), no gr_kv op, and the
     append's write to the table kept as an input mutation. Traced with fake tensors only (no kernel
@@ -192,8 +200,8 @@ def test_cuda_calls_decompose_into_triton_kernels_for_inductor():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _DECOMPOSE], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", _DECOMPOSE, form], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert sum("triton_kernel_wrapper_functional" in t for t in got["targets"]) == 1, got
