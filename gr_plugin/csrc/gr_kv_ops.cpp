@@ -361,8 +361,9 @@ void scatter_pages(const Tensor& kv_table, const Tensor& staging, const Tensor& 
                     "staging is ", dtype_name(staging.scalar_type()), " on ", staging.device(), ", kv_table is ",
                     dtype_name(kv_table.scalar_type()), " on ", kv_table.device());
   if (pages.device().is_cpu()) {  // NOTE: two blocks for one page: which lands would depend on timing
-    const int64_t* p = pages.const_data_ptr<int64_t>();
-    std::vector<int64_t> sorted(p, p + pages.numel());
+    const Tensor dense = pages.contiguous();  // NOTE: a strided or expanded `pages` reads right too
+    const int64_t* p = dense.const_data_ptr<int64_t>();
+    std::vector<int64_t> sorted(p, p + dense.numel());
     std::sort(sorted.begin(), sorted.end());
     const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
     TORCH_CHECK_VALUE(dup == sorted.end(), "pages has page ", dup == sorted.end() ? 0 : *dup, " more than once");

@@ -19,7 +19,8 @@ allocation) stays outside the graph; the graph sees the cache table and small me
 - ``gr_kv::gather_pages(kv_table, pages) -> [L, M, 2, P, H, D]``: pages ``pages [M]`` of every layer of
   ``kv_table [L, num_pages, 2, P, H, D]``, as one contiguous staging tensor (what an offload reads).
 - ``gr_kv::scatter_pages(kv_table!, staging, pages) -> ()``: the reverse (what an onboard writes);
-  ``pages`` must be distinct. One C++ kernel (ATen index ops) serves every device.
+  ``pages`` must be distinct. One C++ kernel (ATen index ops) serves every device; on CUDA the page
+  ids are not checked (range, duplicates), as for the other ops' index values.
 On the CPU the C++ kernels read the (host) metadata; on CUDA the sizes the Triton kernels need as host
 ints are upper bounds from tensor shapes, so no op syncs the device.
 
@@ -111,11 +112,13 @@ def _layer(kv_table: torch.Tensor, layer: int) -> torch.Tensor:
 
 @torch.library.register_fake("gr_kv::append_kv_layer")
 def _(kv_table, layer, k, v, slots, rows) -> None:
+    _layer(kv_table, layer)  # a bad layer fails when traced, not only when run
     return None
 
 
 @torch.library.register_fake("gr_kv::paged_hstu_attention_layer")
 def _(q, k, v, kv_table, layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha, n_norm):
+    _layer(kv_table, layer)
     return torch.empty_like(q)
 
 

@@ -96,10 +96,22 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
     before = cache.kv_table.clone()
     inputs = full_pass_inputs(model, cache.kv_table, history, candidates)
     assert inputs.kv_table.shape[1] != cache.kv_table.shape[1]
+    eager_inputs = full_pass_inputs(model, cache.kv_table, history, candidates)
     with torch.no_grad():
         got = packaged.program(*inputs.args())
+        CachedRankerProgram(model)(*eager_inputs.args())
     assert (got - full).abs().max().item() <= 1e-5
+    # every layer's K/V went to that layer of the scratch table (a layer mix-up leaves the scores right)
+    assert (inputs.kv_table - eager_inputs.kv_table).abs().max().item() <= 1e-5
     assert torch.equal(cache.kv_table, before)
+    # a one-page scratch table: a single user with a history shorter than a page
+    short = User(9, g)
+    short.grow(3)
+    history, candidates, _, _ = make_inputs([short], [short.candidates(2)])
+    inputs = full_pass_inputs(model, cache.kv_table, history, candidates)
+    assert inputs.kv_table.shape[1] == 1
+    with torch.no_grad():
+        assert (packaged.program(*inputs.args()) - model(history, candidates)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.gpu

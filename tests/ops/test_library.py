@@ -182,7 +182,9 @@ args = (table, p["q"], p["k"], p["v"], torch.tensor([63, 62]), torch.tensor([0, 
         p["kv_indptr"], p["history_lengths"], p["q_offsets"], p["new_lengths"])
 gm, sig = aot_export_module(Step(), args, trace_joint=False)
 json.dump({"targets": sorted({str(n.target) for n in gm.graph.nodes}),
-           "mutated": sorted(sig.user_inputs_to_mutate.values())}, sys.stdout)
+           "mutated": sorted(sig.user_inputs_to_mutate.values()),
+           "selects": sorted({tuple(n.args[1:]) for n in gm.graph.nodes if str(n.target) == "aten.select.int"
+                              and str(n.args[0]) == "arg0_1"})}, sys.stdout)
 """
 
 
@@ -209,6 +211,8 @@ def test_cuda_calls_decompose_into_triton_kernels_for_inductor(form):
     # NOTE: without a GPU driver Triton cannot analyse which arguments a kernel writes, so every
     # argument counts as mutated; the table must be among them (on a GPU it is the only one).
     assert "arg0_1" in got["mutated"]
+    if form == "layer":  # the kernels get layer 1 of the table (a layer mix-up would not show in the mutation)
+        assert got["selects"] == [[0, 1]], got
 
 
 def _table(pages=7, dtype=torch.float32):
@@ -254,6 +258,9 @@ def test_page_gather_then_scatter_moves_whole_pages_of_every_layer(dtype):
          "staging is torch.float64"),
         ("scatter", lambda t: (t, torch.randn(3, 2, 2, 4, 2, 8), torch.tensor([3, 3])), "page 3 more than once"),
         ("scatter", lambda t: (t, torch.randn(3, 1, 2, 4, 2, 8), torch.tensor([9])), r"pages\[0\] = 9 is outside"),
+        ("scatter", lambda t: (t, torch.randn(3, 3, 2, 4, 2, 8), torch.tensor([5]).expand(3)), "page 5 more than once"),
+        ("scatter", lambda t: (t, torch.randn(3, 2, 2, 4, 2, 8), torch.tensor([1, 2, 1, 3])[::2]),
+         "page 1 more than once"),
     ],
 )
 def test_page_ops_bad_inputs_are_named_and_change_nothing(op, args, match):

@@ -9,7 +9,8 @@
 // dynamic), the cache untouched; as the Python engine falls back.
 // Reports timing (p50/p99), the hit rate and the max abs diff of the scores against the Python
 // path's (recorded in the stream). Exit status: 0 ok; 1 a score differs by more than the tolerance
-// or the inputs differ from Python's; 2 bad usage, stream, package or a failed step.
+// or the inputs (or, with hits, the cached lengths) differ from Python's; 2 bad usage, stream,
+// package or a failed step.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -289,7 +290,9 @@ int run(const Options& o) {
     if (!f) throw std::runtime_error("cannot write " + o.scores_out);
   }
   const bool scores_ok = tot.max_abs_diff <= o.tolerance;
-  const bool inputs_ok = tot.inputs_equal == tot.inputs_compared;
+  // NOTE: with hits, the same cached lengths as Python's too (e.g. both fell back on the same batches)
+  const bool inputs_ok = tot.inputs_equal == tot.inputs_compared &&
+                         (!hit || tot.cached_equal == static_cast<int64_t>(stream.num_batches()));
   std::vector<std::pair<std::string, std::string>> report;
   auto add = [&](const std::string& k, double v, bool integer = false) {
     std::ostringstream s;
@@ -330,8 +333,11 @@ int run(const Options& o) {
                  o.tolerance);
   }
   if (!inputs_ok) {
-    std::fprintf(stderr, "gr_runner: %lld of %lld batches' inputs differ from Python's\n",
-                 static_cast<long long>(tot.inputs_compared - tot.inputs_equal), static_cast<long long>(tot.inputs_compared));
+    std::fprintf(stderr, "gr_runner: %lld of %lld batches' inputs and %lld of %lld batches' cached lengths differ "
+                 "from Python's\n", static_cast<long long>(tot.inputs_compared - tot.inputs_equal),
+                 static_cast<long long>(tot.inputs_compared),
+                 static_cast<long long>(hit ? stream.num_batches() - tot.cached_equal : 0),
+                 static_cast<long long>(stream.num_batches()));
   }
   return scores_ok && inputs_ok ? 0 : 1;
 }
