@@ -20,7 +20,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.cache import BatchPlan
-from gr_plugin.cache.metadata import build_metadata
+from gr_plugin.cache.metadata import PagedBatchMetadata, build_metadata
 from gr_plugin.export.stack import CachedLayerStack
 from gr_plugin.modules.hstu import HSTURanker
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, build_token_layout
@@ -80,13 +80,7 @@ def program_inputs(model: HSTURanker, kv_table: torch.Tensor, history: KeyedJagg
     meta = plan.metadata
     if meta.batch_size != history.stride():
         raise ValueError(f"plan is for {meta.batch_size} users, the request has {history.stride()}")
-    layout = build_token_layout(history, candidates, meta.cached_lengths, model.config.max_positions)
-    n = layout.num_query_tokens
-    return ProgramInputs(
-        token_ids=layout.features.values().view(len(EMBEDDING_KEYS), n), q_offsets=layout.q_offsets,
-        new_rows=layout.new_rows, slots=meta.new_token_slots, kv_indices=meta.kv_indices, kv_indptr=meta.kv_indptr,
-        history_lengths=meta.total_lengths, new_lengths=meta.new_lengths, candidate_rows=layout.candidate_rows,
-        kv_table=kv_table)
+    return _inputs(model, history, candidates, meta, kv_table)
 
 
 def full_pass_inputs(model: HSTURanker, kv_table: torch.Tensor, history: KeyedJaggedTensor,
@@ -103,14 +97,20 @@ def full_pass_inputs(model: HSTURanker, kv_table: torch.Tensor, history: KeyedJa
         page_lists.append(array("q", range(at, at + count)))
         at += count
     meta = build_metadata(page_lists, [0] * len(lengths), lengths, page_size, kv_table.device)
-    layout = build_token_layout(history, candidates, meta.cached_lengths, model.config.max_positions)
     scratch = kv_table.new_zeros((kv_table.shape[0], max(at, 1), *kv_table.shape[2:]))
+    return _inputs(model, history, candidates, meta, scratch)
+
+
+def _inputs(model: HSTURanker, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
+            meta: PagedBatchMetadata, kv_table: torch.Tensor) -> ProgramInputs:
+    """The token layout of the events ``meta`` leaves uncached, and its page metadata."""
+    layout = build_token_layout(history, candidates, meta.cached_lengths, model.config.max_positions)
     n = layout.num_query_tokens
     return ProgramInputs(
         token_ids=layout.features.values().view(len(EMBEDDING_KEYS), n), q_offsets=layout.q_offsets,
         new_rows=layout.new_rows, slots=meta.new_token_slots, kv_indices=meta.kv_indices, kv_indptr=meta.kv_indptr,
         history_lengths=meta.total_lengths, new_lengths=meta.new_lengths, candidate_rows=layout.candidate_rows,
-        kv_table=scratch)
+        kv_table=kv_table)
 
 
 def export_program(model: HSTURanker, example: ProgramInputs) -> torch.export.ExportedProgram:
