@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def run(cfg: ServeClientConfig) -> dict[str, Any]:
+    if cfg.user_id_offset < 0:
+        raise ValueError(f"user_id_offset must be >= 0, got {cfg.user_id_offset}")
     if cfg.metrics_urls and len(cfg.metrics_urls) != len(cfg.urls):
         raise ValueError(f"metrics_urls has {len(cfg.metrics_urls)} entries but urls has {len(cfg.urls)}: "
                          "give one per replica, or none")
@@ -30,8 +32,6 @@ def run(cfg: ServeClientConfig) -> dict[str, Any]:
     dm.setup("predict")
     client = ServeClient(cfg.urls, cfg.model_name, timeout_s=cfg.timeout_s)
     requests = []
-    if cfg.user_id_offset < 0:
-        raise ValueError(f"user_id_offset must be >= 0, got {cfg.user_id_offset}")
     for batch in dm.predict_dataloader():
         if cfg.user_id_offset:
             batch = dataclasses.replace(batch, user_ids=batch.user_ids + cfg.user_id_offset)

@@ -115,3 +115,12 @@ def test_replay_keeps_each_users_visits_in_order():
     assert all(h == sorted(h) for h in per_user.values()) and len(per_user) == 10
     s = report.summary()
     assert s["latency_ms_p50"] >= 2.0 and s["throughput_rps"] > 0 and s["per_replica"] == {0: len(reqs)}
+
+
+def test_a_negative_user_id_offset_is_refused_before_any_request():
+    from gr_plugin.configs.serve import ServeClientConfig
+    from gr_plugin.serving import client_app
+
+    # NOTE: no server listens on this port: the check must come before anything is sent
+    with pytest.raises(ValueError, match="user_id_offset must be >= 0, got -1"):
+        client_app.run(ServeClientConfig(urls=["127.0.0.1:9"], metrics_urls=[], user_id_offset=-1))
