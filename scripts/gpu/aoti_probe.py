@@ -12,12 +12,18 @@ Experiments, each in a fresh subprocess (exit code and the last lines of its out
   thrown inside libtorch and caught in the extension, a c10::ValueError thrown by the extension;
   ``ext3``: TORCH_CHECK / TORCH_CHECK_VALUE / an explicit ``throw c10::ValueError`` reaching Python;
 - ``aoti``: a plain CPU AOTInductor package (``silu(x) * 2``): compile, then load in a fresh process
-  (``aoti_preload``: the load with the system libraries preloaded).
+  (``aoti_preload``: the load with the system libraries preloaded);
+- ``tools``: the compilers and debuggers on the machine; ``ext_O0`` / ``ext_nosplit``: ``ext`` built
+  with ``-O0`` / without hot-cold function splitting; ``gdb``: the crashing ``TORCH_CHECK`` and the
+  package load under gdb (native backtrace), when gdb is there; ``bt``: the same two with a SIGSEGV
+  handler that prints the native frames (``backtrace_symbols_fd``), for machines without gdb;
+  ``aoti_O0``: the package compiled with its wrapper at ``-O0``, then loaded.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -126,6 +132,44 @@ for f in ("throw_explicit", "check_value_out", "check_out"):
         print(f, "reached python as", type(e).__name__, str(e).splitlines()[0], flush=True)
 """
 
+CRASH_CHECK = r"""
+import torch
+from torch.utils.cpp_extension import load_inline
+src = '''
+#include <torch/extension.h>
+int64_t throw_caught(int64_t x) {
+  try { TORCH_CHECK(x < 0, "x must be negative, got ", x); } catch (const c10::Error& e) { return 1; }
+  return 0;
+}
+'''
+m = load_inline(NAME, cpp_sources=src, functions=["throw_caught"], build_directory=BUILD, verbose=False)
+print("c10 caught:", m.throw_caught(1), flush=True)
+"""
+
+SEGV_HANDLER = r"""
+import torch
+from torch.utils.cpp_extension import load_inline
+hsrc = '''
+#include <torch/extension.h>
+#include <csignal>
+#include <execinfo.h>
+#include <unistd.h>
+static void on_segv(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  const char msg[] = "native frames at SIGSEGV:\\n";
+  write(2, msg, sizeof(msg) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+int64_t install(int64_t x) { signal(SIGSEGV, on_segv); return 0; }
+'''
+h = load_inline("probe_segv", cpp_sources=hsrc, functions=["install"], build_directory=HBUILD, verbose=False)
+h.install(0)
+print("handler installed", flush=True)
+"""
+
 LOAD = """
 import torch
 runner = torch._inductor.aoti_load_package(PKG)
@@ -134,20 +178,26 @@ print("load ok, equal:", torch.allclose(runner(x), torch.nn.functional.silu(x) *
 """
 
 
-def run(name: str, code: str, env: dict | None = None, timeout: int = 240) -> None:
+def run(name: str, code: str, env: dict | None = None, timeout: int = 240, prefix: list[str] | None = None,
+        tail: int = 12) -> None:
     full = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], env=full,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([*(prefix or []), sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+                       env=full, capture_output=True, text=True, timeout=timeout)
     out = (p.stdout + p.stderr).strip().splitlines()
     keep = [line for line in out if "fbgemm" not in line.lower() and "compat" not in line and line.strip()]
     print(f"--- {name}: exit {p.returncode}")
-    for line in keep[-12:]:
+    marks = [i for i, line in enumerate(keep) if line.startswith(("native frames", "Program received", "Thread 1"))]
+    if marks:  # a native backtrace: its innermost frames matter most
+        keep = keep[:3] + keep[marks[0]:marks[0] + tail]
+    for line in keep[-tail:]:
         print("   ", line[:300])
 
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     which = set(sys.argv[2:]) or {"maps", "ext", "ext2", "ext3", "ext_fp", "ext_preload", "aoti", "aoti_preload"}
+    gdb = shutil.which("gdb")
+    gdb_prefix = [gdb, "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args"] if gdb else None
     pkg = str(WORK / "plain.pt2")
     sys_libs = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/lib/x86_64-linux-gnu/libgcc_s.so.1")
                         if os.path.exists(p))
@@ -172,6 +222,24 @@ def main() -> None:
         run("extension exceptions, which side crashes", ext_defs("probe_ext2", []) + EXT2 + "")
     if "ext3" in which:
         run("extension exceptions reaching python", ext_defs("probe_ext3", []) + EXT3)
+    if "tools" in which:
+        for tool in ("gdb", "g++", "clang++", "ld", "catchsegv"):
+            path = shutil.which(tool)
+            ver = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] if path else []
+            print(f"--- {tool}: {path} {ver}")
+    if "ext_O0" in which:
+        run("extension exceptions, -O0", ext_defs("probe_ext_O0", ["-O0"]) + EXT)
+    if "ext_nosplit" in which:
+        run("extension exceptions, -fno-reorder-blocks-and-partition",
+            ext_defs("probe_ext_ns", ["-fno-reorder-blocks-and-partition"]) + EXT)
+    hb = WORK / "probe_segv"
+    hb.mkdir(exist_ok=True)
+    handler = f"HBUILD = {str(hb)!r}\n" + SEGV_HANDLER
+    if "bt" in which:
+        run("failing TORCH_CHECK caught, SIGSEGV handler", handler + ext_defs("probe_crash", []) + CRASH_CHECK, tail=45)
+    if "gdb" in which and gdb_prefix:
+        run("failing TORCH_CHECK caught, under gdb", ext_defs("probe_crash", []) + CRASH_CHECK, prefix=gdb_prefix,
+            tail=45, timeout=400)
     if "ext_fp" in which:
         run("extension exceptions, -fno-omit-frame-pointer",
             ext_defs("probe_ext_fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]) + EXT)
@@ -181,6 +249,15 @@ def main() -> None:
     if "aoti" in which:
         run("compile plain package", defs + COMPILE)
         run("load plain package", defs + LOAD)
+    if "bt" in which and os.path.exists(pkg):
+        run("load plain package, SIGSEGV handler", handler + defs + LOAD, tail=45)
+    if "gdb" in which and gdb_prefix and os.path.exists(pkg):
+        run("load plain package, under gdb", defs + LOAD, prefix=gdb_prefix, tail=45, timeout=400)
+    if "aoti_O0" in which:
+        pkg0 = f"PKG = {str(WORK / 'plain_O0.pt2')!r}\n"
+        run("compile plain package, wrapper -O0",
+            pkg0 + "import torch._inductor.config as c\nc.aot_inductor.compile_wrapper_opt_level = 'O0'\n" + COMPILE)
+        run("load plain package compiled with wrapper -O0", pkg0 + LOAD, tail=45)
     if "aoti_preload" in which and sys_libs and os.path.exists(pkg):
         run(f"load plain package, LD_PRELOAD={sys_libs}", defs + LOAD, {"LD_PRELOAD": sys_libs})
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU performance checks (results under $OUT):
 #   tests/gpu (gputests), the kernel GPU tests with the tanh.approx SiLU (kernels), e2e at bs 8 and 1, the e2e profile at bs 8,
-#   step_host on this host, the block table's 4096/3968 rows.
+#   step_host on this host, the block table's 4096/3968 rows; the tiers and transfer tables (tiers), a profile of
+#   the layerwise host hit (tiers_profile), the AOTInductor/extension crash probe (aoti_probe).
 # Usage (device):  source scripts/gpu/setup_device.sh && bash scripts/gpu/perf_round.sh [parts...]
 parts=${*:-"kernels e2e profile step_host block"}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -19,5 +20,10 @@ for p in $parts; do
     block) python3 -m recipes.bench suite=block 'block.parts=[block]' \
              '+block.block_kwargs.histories=[[4096,3968]]' '+block.block_kwargs.batch_sizes=[1,8]' out_dir="$out" \
              hydra/job_logging=disabled 2>&1 | tail -20 | tee "$out/block.txt" ;;
+    tiers) python3 -m recipes.bench suite=block 'block.parts=[transfer,tiers]' out_dir="$out" \
+             hydra/job_logging=disabled 2>&1 | tail -20 | tee "$out/tiers.txt" ;;
+    tiers_profile) python3 scripts/gpu/profile_tiers.py > "$out/profile_tiers.txt" 2>&1; grep "===\|busy" "$out/profile_tiers.txt" ;;
+    aoti_probe) python3 scripts/gpu/aoti_probe.py /tmp/ap tools ext3 bt gdb ext_O0 ext_nosplit aoti aoti_O0 \
+                  > "$out/aoti_probe.txt" 2>&1; grep -- "^---" "$out/aoti_probe.txt" ;;
   esac
 done
