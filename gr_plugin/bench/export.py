@@ -10,6 +10,8 @@ the same request stream scored by ``forward_cached`` (eager Python), by the pack
 step's plan is aborted, so the whole history is computed. Timed in Python: the scoring call only
 (token layout + the model), not lookup / allocate / commit; for the runner: its whole step (cache
 lookup, allocate, inputs, the package, commit), and the package call alone (``package_ms_p50``).
+``device=cuda``: the model, the KV table and the package on the GPU (fp32, TF32 off; each timed call
+ends with a device synchronisation); the C++ runner replays CPU streams only, so it is left out.
 """
 
 from __future__ import annotations
@@ -59,9 +61,14 @@ class _Stream:
         return history, cand_kjt, lengths.tolist(), cache_token_keys(flat[0], flat[1], flat[2])
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedRanker, scenario: str, *,
               batch: int, history_len: int, new_events: int, candidates: int, steps: int, warmup: int,
-              seed: int) -> tuple[list[dict[str, Any]], list[StreamBatch], list[torch.Tensor]]:
+              seed: int, device: torch.device = torch.device("cpu")) -> tuple[list[dict[str, Any]], list[StreamBatch], list[torch.Tensor]]:
     """Rows of the two Python modes, and the requests in order with their full recomputation (what the
     C++ runner replays: the priming request of ``hit`` first)."""
     stream = _Stream(model.config, batch, seed)
@@ -71,12 +78,13 @@ def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedR
     fulls: list[torch.Tensor] = []
     if scenario == "hit":  # the history so far is cached
         history, cands, lengths, keys = stream.request(candidates)
+        requests.append(StreamBatch(users, history, cands))
+        history, cands = history.to(device), cands.to(device)
         plan = cache.begin(users, lengths, keys)
         with torch.no_grad():
             model.forward_cached(history, cands, cache, plan)
-            fulls.append(model(history, cands))
+            fulls.append(model(history, cands).cpu())
         cache.commit(plan)
-        requests.append(StreamBatch(users, history, cands))
     times: dict[str, list[float]] = {"eager": [], "package": []}
     diffs: dict[str, float] = {"eager": 0.0, "package": 0.0}
     query_tokens = []
@@ -84,18 +92,21 @@ def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedR
         if scenario == "hit" or step == 0:
             stream.grow(new_events)
         history, cands, lengths, keys = stream.request(candidates)
+        requests.append(StreamBatch(users, history, cands))
+        history, cands = history.to(device), cands.to(device)
         with torch.no_grad():
             full = model(history, cands)
-        requests.append(StreamBatch(users, history, cands))
-        fulls.append(full)
+        fulls.append(full.cpu())
         for mode in ("eager", "package"):
             plan = cache.begin(users, lengths, keys)
             if plan is None:
                 raise RuntimeError(f"the cache ({cache.config.num_pages} pages) cannot hold batch {batch}")
             with torch.no_grad():
+                _sync(device)
                 t0 = time.perf_counter()
                 got = (model.forward_cached(history, cands, cache, plan) if mode == "eager"
                        else packaged.score(history, cands, plan))
+                _sync(device)
                 dt = (time.perf_counter() - t0) * 1e3
             # NOTE: both modes see the same cache state: eager's step is rolled back; the package's is
             # committed on a hit (the next step's cached prefix) and rolled back on a miss.
@@ -137,21 +148,29 @@ def _cpp_row(model: HSTURanker, cache_cfg: KVCacheConfig, package: str, runner: 
 
 def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates: int = 16, steps: int = 20,
         warmup: int = 3, page_size: int = 16, model: dict | None = None,
-        cpp_runner: bool = True) -> list[dict[str, Any]]:
+        cpp_runner: bool = True, device: str = "cpu") -> list[dict[str, Any]]:
     """Rows for the ``hit`` and ``miss`` scenarios: eager, package and (``cpp_runner``: built here with
-    CMake) the C++ runner. ``model``: `HSTUConfig` overrides (default ``hstu_small``'s shape, dropout off)."""
+    CMake; CPU only) the C++ runner. ``model``: `HSTUConfig` overrides (default ``hstu_small``'s shape,
+    dropout off)."""
     torch.manual_seed(0)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        if cpp_runner:
+            logger.info("export bench on %s: the C++ runner replays CPU streams only; left out", dev)
+            cpp_runner = False
     cfg = HSTUConfig(**{"num_items": 3706, "num_time_buckets": 32, "embedding_dim": 64, "num_layers": 2,
                         "num_heads": 2, "head_dim": 32, "n_norm": 512.0, **(model or {})})
-    net = HSTURanker(cfg).eval()
+    net = HSTURanker(cfg).eval().to(dev)
     pages = 4 * batch * (-(-(history_len + (warmup + steps) * new_events) // page_size) + 1)
     cache_cfg = KVCacheConfig(num_layers=cfg.num_layers, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                              page_size=page_size, num_pages=pages, device="cpu")
+                              page_size=page_size, num_pages=pages, device=str(dev))
     cache = KVCacheModule(cache_cfg, "gpu")
     runner = build_runner() if cpp_runner else None
     stream = _Stream(cfg, batch, seed=99)
     stream.grow(history_len)
     history, cands, lengths, keys = stream.request(candidates)
+    history, cands = history.to(dev), cands.to(dev)
     plan = cache.begin(list(range(-batch, 0)), lengths, keys)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -164,7 +183,7 @@ def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates:
         for i, scenario in enumerate(("hit", "miss")):
             py_rows, requests, fulls = _scenario(net, cache, packaged, scenario, batch=batch, history_len=history_len,
                                                  new_events=new_events, candidates=candidates, steps=steps,
-                                                 warmup=warmup, seed=i + 1)
+                                                 warmup=warmup, seed=i + 1, device=dev)
             rows += py_rows
             if runner is not None:
                 untimed = len(requests) - steps  # the priming request (hit) and the warm-ups
@@ -173,8 +192,9 @@ def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates:
                 rows.append({**row, "history": history_len})
     for r in rows:
         r["export_s"] = export_s
+        r["device"] = str(dev)
     return rows
 
 
-COLUMNS = ["scenario", "mode", "batch", "history", "query_tokens", "ms_p50", "ms_p90", "package_ms_p50",
+COLUMNS = ["device", "scenario", "mode", "batch", "history", "query_tokens", "ms_p50", "ms_p90", "package_ms_p50",
            "max_abs_diff_vs_full", "hit_rate", "export_s"]

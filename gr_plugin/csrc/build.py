@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from gr_plugin.csrc.toolchain import libstdcxx_ldflags
+
 logger = logging.getLogger(__name__)
 
 NAME = "gr_kv_ops"
@@ -58,7 +60,7 @@ def load_library(verbose: bool = False) -> str:
     # a C++ program, which needs no Python to load it.
     try:
         cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+                           extra_ldflags=[*LDFLAGS, *libstdcxx_ldflags()], build_directory=str(directory),
                            is_python_module=False, verbose=verbose)
     except (RuntimeError, OSError, FileNotFoundError) as e:
         raise RuntimeError(f"building the gr_kv C++ ops in {directory} failed (needs a C++ compiler and ninja; "

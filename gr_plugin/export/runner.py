@@ -16,10 +16,24 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.cache import BatchPlan
+from gr_plugin.csrc.toolchain import libstdcxx_libraries
 from gr_plugin.export.model import export_program, program_inputs
 from gr_plugin.modules import HSTURanker, KVCacheModule
 
 logger = logging.getLogger(__name__)
+
+
+def aoti_link_configs() -> dict:
+    """Inductor configs that keep a package's libstdc++ shared where the compiler would link it
+    statically (`gr_plugin.csrc.toolchain`; a package built so segfaults when loaded)."""
+    libs = libstdcxx_libraries()
+    if not libs:
+        return {}
+    if not hasattr(torch._inductor.config.aot_inductor, "custom_op_libs"):
+        raise RuntimeError("this compiler links libstdc++ statically into shared libraries and this torch has no "
+                           "aot_inductor.custom_op_libs to link it shared: install the libstdc++ development package "
+                           "(libstdc++.so) for the compiler")
+    return {"aot_inductor.custom_op_libs": [*(torch._inductor.config.aot_inductor.custom_op_libs or []), *libs]}
 
 
 def export_package(model: HSTURanker, cache: KVCacheModule, history: KeyedJaggedTensor,
@@ -29,7 +43,8 @@ def export_package(model: HSTURanker, cache: KVCacheModule, history: KeyedJagged
     caller aborts ``plan``."""
     program = export_program(model, program_inputs(model, cache.kv_table, history, candidates, plan))
     with torch.no_grad():
-        out = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        out = torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                       inductor_configs=aoti_link_configs())
     logger.info("wrote AOTInductor package %s", out)
     return out
 

@@ -56,7 +56,7 @@ int64_t throw_out(int64_t x) { TORCH_CHECK(x < 0, "x must be negative, got ", x)
 int64_t backtrace_len(int64_t x) { return static_cast<int64_t>(c10::get_backtrace().size()); }
 '''
 m = load_inline(NAME, cpp_sources=src, functions=["throw_caught", "throw_plain", "throw_out", "backtrace_len"],
-                build_directory=BUILD, extra_cflags=FLAGS, verbose=False)
+                build_directory=BUILD, extra_cflags=FLAGS, extra_ldflags=LDFLAGS, verbose=False)
 print("plain caught:", m.throw_plain(1), flush=True)
 print("c10 backtrace chars:", m.backtrace_len(0), flush=True)
 print("c10 caught:", m.throw_caught(1), flush=True)
@@ -93,7 +93,7 @@ int64_t throw_std_invalid(int64_t x) { throw std::invalid_argument("bad value " 
 int64_t throw_value_error(int64_t x) { throw c10::ValueError({__func__, __FILE__, 1}, "bad value"); }
 '''
 m = load_inline(NAME, cpp_sources=src, functions=["error_size", "catch_torch_internal", "catch_std_invalid",
-                "throw_std_invalid", "throw_value_error"], build_directory=BUILD, verbose=False)
+                "throw_std_invalid", "throw_value_error"], build_directory=BUILD, extra_ldflags=LDFLAGS, verbose=False)
 print("sizeof(c10::Error) in the headers:", m.error_size(0), flush=True)
 print("std::invalid_argument caught:", m.catch_std_invalid(0), flush=True)
 try:
@@ -124,7 +124,7 @@ int64_t throw_explicit(int64_t x) {
 }
 '''
 m = load_inline(NAME, cpp_sources=src, functions=["check_out", "check_value_out", "throw_explicit"],
-                build_directory=BUILD, verbose=False)
+                build_directory=BUILD, extra_ldflags=LDFLAGS, verbose=False)
 for f in ("throw_explicit", "check_value_out", "check_out"):
     try:
         getattr(m, f)(1)
@@ -142,7 +142,7 @@ int64_t throw_caught(int64_t x) {
   return 0;
 }
 '''
-m = load_inline(NAME, cpp_sources=src, functions=["throw_caught"], build_directory=BUILD, verbose=False)
+m = load_inline(NAME, cpp_sources=src, functions=["throw_caught"], build_directory=BUILD, extra_ldflags=LDFLAGS, verbose=False)
 print("c10 caught:", m.throw_caught(1), flush=True)
 """
 
@@ -202,10 +202,10 @@ def main() -> None:
     sys_libs = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/lib/x86_64-linux-gnu/libgcc_s.so.1")
                         if os.path.exists(p))
 
-    def ext_defs(name: str, flags: list[str]) -> str:
+    def ext_defs(name: str, flags: list[str], ldflags: list[str] | None = None) -> str:
         build = WORK / name
         build.mkdir(exist_ok=True)
-        return f"BUILD = {str(build)!r}\nNAME = {name!r}\nFLAGS = {flags!r}\n"
+        return f"BUILD = {str(build)!r}\nNAME = {name!r}\nFLAGS = {flags!r}\nLDFLAGS = {ldflags or []!r}\n"
 
     if "maps" in which:
         run("maps", MAPS)
@@ -240,6 +240,28 @@ def main() -> None:
     if "gdb" in which and gdb_prefix:
         run("failing TORCH_CHECK caught, under gdb", ext_defs("probe_crash", []) + CRASH_CHECK, prefix=gdb_prefix,
             tail=45, timeout=400)
+    if "libs" in which:
+        from gr_plugin.csrc.toolchain import libstdcxx_ldflags, links_static_libstdcxx
+
+        for name in ("libstdc++.so", "libstdc++.a", "libstdc++.so.6"):
+            got = subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+            print(f"--- g++ -print-file-name={name}: {got}")
+        print(f"--- toolchain: links libstdc++ statically {links_static_libstdcxx()}, flags {libstdcxx_ldflags()}")
+        crash = WORK / "probe_crash" / "probe_crash.so"
+        if crash.exists():
+            for cmd in (f"readelf -d {crash} | grep NEEDED", f"nm -D --defined-only {crash} | grep -c 'St6locale'"):
+                out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True).stdout.strip()
+                print(f"--- {cmd}:\n{out}")
+    if "fixed" in which:  # the fix of gr_plugin/csrc/toolchain.py, applied whatever its detection says
+        fix = ["-l:libstdc++.so.6"]
+        run("fixed: failing TORCH_CHECK caught", ext_defs("probe_crash_fixed", [], fix) + CRASH_CHECK)
+        run("fixed: extension exceptions reaching python", ext_defs("probe_ext3_fixed", [], fix) + EXT3)
+        pkgf = f"PKG = {str(WORK / 'plain_fixed.pt2')!r}\n"
+        run("fixed: compile plain package with custom_op_libs=[':libstdc++.so.6']",
+            pkgf + COMPILE.replace("package_path=PKG)",
+                                   "package_path=PKG, inductor_configs={'aot_inductor.custom_op_libs': "
+                                   "[':libstdc++.so.6']})"))
+        run("fixed: load that package", pkgf + LOAD)
     if "ext_fp" in which:
         run("extension exceptions, -fno-omit-frame-pointer",
             ext_defs("probe_ext_fp", ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]) + EXT)

@@ -1,7 +1,22 @@
+"""The host tier's free-slot runs (C++ ``ExtentAllocator``, gr_plugin/csrc/core/host_core.cpp)."""
+
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gr_plugin.cache.extents import ExtentAllocator
+from gr_plugin.csrc.core.build import load as load_core
+
+
+class ExtentAllocator:
+    def __init__(self, n: int) -> None:
+        load_core()
+        self._a = torch.classes.gr_kv_core.ExtentAllocator(n)
+        self.alloc, self.free, self.free_slots = self._a.alloc, self._a.free, self._a.free_slots
+
+    @property
+    def num_free(self) -> int:
+        return self._a.num_free()
 
 
 def test_contiguous_runs_and_merging():
@@ -35,3 +50,19 @@ def test_random_alloc_free_keeps_accounting(ops):
         free = a.free_slots()
         assert len(set(owned)) == len(owned) and not set(owned) & set(free)
         assert len(owned) + len(free) == 40 == len(owned) + a.num_free
+
+
+def test_double_free_and_out_of_range_raise():
+    a = ExtentAllocator(4)
+    got = a.alloc(2)
+    a.free(got)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free([got[0]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        a.free([7])
+    b = a.alloc(3)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free([b[0], 3])  # slot 3 is free: nothing of the call is freed
+    assert a.num_free == 1
+    a.free(b)
+    assert a.num_free == 4 and a.free_slots() == [0, 1, 2, 3]

@@ -115,8 +115,6 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skip(reason="known failure: on the lent H200 (torch 2.11) aoti_load_package of any package, even a "
-                  "plain CPU one without gr_kv ops, segfaults (2026-11-30); see docs/EXPORT.md")
 def test_aoti_package_on_the_gpu_equals_full_recompute(tmp_path):
     """The package on CUDA: Triton kernels compiled into it (gr_plugin.ops.library), KV table on the GPU."""
     from gr_plugin.cache import KVCacheConfig

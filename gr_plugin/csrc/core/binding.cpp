@@ -113,7 +113,18 @@ struct CoreHolder : torch::CustomClassHolder {
   CoreHolder(int64_t num_pages, int64_t page_size) : core(num_pages, page_size) {}
 };
 
+struct HostHolder : torch::CustomClassHolder {
+  HostCore core;
+  HostHolder(int64_t num_slots, int64_t page_size) : core(num_slots, page_size) {}
+};
+
+struct ExtentsHolder : torch::CustomClassHolder {
+  ExtentAllocator extents;
+  explicit ExtentsHolder(int64_t num_slots) : extents(num_slots) {}
+};
+
 using Core = c10::intrusive_ptr<CoreHolder>;
+using Host = c10::intrusive_ptr<HostHolder>;
 using Pool = c10::intrusive_ptr<PoolHolder>;
 
 // A namespace id from Python, range-checked (the core keys namespaces by int32: 2**32 must not alias 0).
@@ -200,6 +211,46 @@ at::Tensor op_hash_rows(const at::Tensor& tokens, int64_t start, int64_t num_row
                       "rows [", start, ", +", num_rows, ") out of range for ", tokens.size(0), " rows");
     const auto* base = static_cast<const uint8_t*>(tokens.data_ptr()) + start * rb;
     return digests_to_tensor({hash_bytes(base, static_cast<size_t>(num_rows * rb), as_seed(seed))});
+  });
+}
+
+// ------------------------------------------------------------------------------ host tier
+// match -> leading published pages of the history tokens[start : start + length] held for the user.
+int64_t host_match(const Host& self, int64_t ns, int64_t user, const at::Tensor& tokens, int64_t start,
+                   int64_t length, int64_t seed, int64_t min_pages, const std::optional<at::Tensor>& page_digests) {
+  return guarded([&] {
+    const int64_t rb = check_tokens(tokens, {0, tokens.dim() ? tokens.size(0) : 0}, 1);
+    TORCH_CHECK_VALUE(start >= 0 && length >= 0 && start <= tokens.size(0) && length <= tokens.size(0) - start,
+                      "history rows [", start, ", +", length, ") out of range for ", tokens.size(0), " rows");
+    HistoryRef h;
+    h.rows = static_cast<const uint8_t*>(tokens.data_ptr()) + start * rb;
+    h.row_bytes = rb;
+    h.length = length;
+    if (page_digests.has_value()) {
+      h.page_digests = digest_ptr(*page_digests, length / self->core.page_size(), "page_digests");
+    }
+    return self->core.match(ns_id(ns), user, h, as_seed(seed), min_pages);
+  });
+}
+
+// reserve -> (ok, slots, dropped (ns, user) pairs flattened, dropped users' slots, their hashes [n, 2])
+std::tuple<bool, at::Tensor, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>> host_reserve(
+    const Host& self, int64_t ns, int64_t user, int64_t first, const at::Tensor& hashes) {
+  return guarded([&] {
+    TORCH_CHECK_VALUE(hashes.dim() == 2, "hashes must have shape [n, 2], got ", hashes.sizes());
+    const Digest* d = digest_ptr(hashes, hashes.size(0), "hashes");
+    std::vector<int64_t> slots;
+    std::vector<HostCore::Dropped> dropped;
+    const bool ok = self->core.reserve(ns_id(ns), user, first, d, hashes.size(0), &slots, &dropped);
+    std::vector<int64_t> keys;
+    std::vector<at::Tensor> dslots, dhashes;
+    for (const auto& x : dropped) {
+      keys.push_back(x.ns);
+      keys.push_back(x.user);
+      dslots.push_back(to_tensor(x.slots));
+      dhashes.push_back(digests_to_tensor(x.hashes));
+    }
+    return std::make_tuple(ok, to_tensor(slots), std::move(keys), std::move(dslots), std::move(dhashes));
   });
 }
 
@@ -330,6 +381,81 @@ TORCH_LIBRARY(gr_kv_core, m) {
              op_commit(s, plan_id, std::move(offsets), tokens, std::nullopt, std::nullopt, std::nullopt);
            })
       .def("abort", op_abort);
+
+  // The host tier's free-slot runs on their own (tests; HostCore owns one).
+  m.class_<ExtentsHolder>("ExtentAllocator")
+      .def(torch::init([](int64_t num_slots) {
+        return guarded([&] { return c10::make_intrusive<ExtentsHolder>(num_slots); });
+      }))
+      .def("num_free", [](const c10::intrusive_ptr<ExtentsHolder>& s) { return s->extents.num_free(); })
+      .def("alloc",
+           [](const c10::intrusive_ptr<ExtentsHolder>& s, int64_t n) -> std::optional<std::vector<int64_t>> {
+             return guarded([&]() -> std::optional<std::vector<int64_t>> {
+               std::vector<int64_t> out;
+               if (!s->extents.alloc(n, &out)) return std::nullopt;
+               return out;
+             });
+           })
+      .def("free", [](const c10::intrusive_ptr<ExtentsHolder>& s,
+                      std::vector<int64_t> slots) { s->extents.free(std::move(slots)); })
+      .def("free_slots", [](const c10::intrusive_ptr<ExtentsHolder>& s) { return s->extents.free_slots(); });
+
+  m.class_<HostHolder>("HostCore")
+      .def(torch::init([](int64_t num_slots, int64_t page_size) {
+        return guarded([&] { return c10::make_intrusive<HostHolder>(num_slots, page_size); });
+      }))
+      .def("num_slots", [](const Host& s) { return s->core.num_slots(); })
+      .def("num_free", [](const Host& s) { return s->core.num_free(); })
+      .def("num_users", [](const Host& s) { return s->core.num_users(); })
+      .def("match", host_match)
+      .def("version", [](const Host& s, int64_t ns, int64_t user) { return s->core.version(ns_id(ns), user); })
+      // acquire -> (ok, slots); pins the user until release
+      .def("acquire",
+           [](const Host& s, int64_t ns, int64_t user, int64_t first, int64_t n) {
+             return guarded([&] {
+               std::vector<int64_t> slots;
+               const bool ok = s->core.acquire(ns_id(ns), user, first, n, &slots);
+               return std::make_tuple(ok, to_tensor(slots));
+             });
+           })
+      .def("release",
+           [](const Host& s, int64_t ns, int64_t user) { guarded([&] { return s->core.release(ns_id(ns), user), 0; }); })
+      .def("stored_pages",
+           [](const Host& s, int64_t ns, int64_t user, const at::Tensor& hashes) {
+             return guarded([&] {
+               TORCH_CHECK_VALUE(hashes.dim() == 2, "hashes must have shape [n, 2], got ", hashes.sizes());
+               return s->core.stored_pages(ns_id(ns), user, digest_ptr(hashes, hashes.size(0), "hashes"),
+                                           hashes.size(0));
+             });
+           })
+      .def("reserve", host_reserve)
+      // publish -> (first page published, published hashes [good, 2])
+      .def("publish",
+           [](const Host& s, int64_t ns, int64_t user, std::vector<int64_t> slots, int64_t num_ok) {
+             return guarded([&] {
+               std::vector<Digest> published;
+               const int64_t first = s->core.publish(ns_id(ns), user, slots, num_ok, &published);
+               return std::make_tuple(first, digests_to_tensor(published));
+             });
+           })
+      .def("evict",
+           [](const Host& s, int64_t ns, int64_t user) { guarded([&] { return s->core.evict(ns_id(ns), user), 0; }); })
+      .def("clear", [](const Host& s) { guarded([&] { return s->core.clear(), 0; }); })
+      // lru_order -> (namespace ids, users), least recently used first
+      .def("lru_order",
+           [](const Host& s) {
+             std::vector<int64_t> ns, users;
+             for (const auto& [n, u] : s->core.lru_order()) {
+               ns.push_back(n);
+               users.push_back(u);
+             }
+             return std::make_tuple(ns, users);
+           })
+      .def("slots_of", [](const Host& s, int64_t ns, int64_t user) { return s->core.slots_of(ns_id(ns), user); })
+      .def("hashes_of",
+           [](const Host& s, int64_t ns, int64_t user) { return digests_to_tensor(s->core.hashes_of(ns_id(ns), user)); })
+      .def("counters", [](const Host& s) { return s->core.counters(); })
+      .def("check", [](const Host& s) { return s->core.check(); });
 
   m.def("lookup(__torch__.torch.classes.gr_kv_core.CacheCore core, int[] users, int[] offsets, Tensor tokens, "
         "Tensor? page_digests=None, Tensor? tail_digests=None, int[]? tail_tokens=None) -> (int[], int[])",

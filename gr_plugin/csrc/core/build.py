@@ -1,6 +1,6 @@
 """Build and load the C++ cache policy core (``torch.classes.gr_kv_core``, ``torch.ops.gr_kv_core``).
 
-Owns the JIT build of ``kv_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` with
+Owns the JIT build of ``kv_core.cpp`` + ``host_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` with
 ``torch.utils.cpp_extension.load`` (ninja, -O2, C++17): the build directory is cached and ninja
 rebuilds only when a source or a flag changes. ``python -m gr_plugin.csrc.core.build`` builds it
 (``scripts/setup.sh`` does, once per machine). Imports only torch and the standard library, so
@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
+from gr_plugin.csrc.toolchain import libstdcxx_ldflags
+
 logger = logging.getLogger(__name__)
 
 NAME = "gr_kv_core"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "binding.cpp", "request_ops.cpp")
+SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "host_core.cpp", "binding.cpp", "request_ops.cpp")
 CFLAGS = ("-O2", "-std=c++17")
 
 _lock = threading.Lock()
@@ -75,7 +77,7 @@ def load(verbose: bool = False) -> str:
 
         lib = xxhash_library()
         cflags = [*CFLAGS, f"-DGR_KV_HAVE_XXHASH={1 if lib else 0}"]
-        ldflags = []
+        ldflags = list(libstdcxx_ldflags())
         if lib:
             ldflags.append(lib if os.sep in lib else f"-l:{lib}")
         build_dir = build_directory(lib is not None)

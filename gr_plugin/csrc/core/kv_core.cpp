@@ -106,38 +106,47 @@ const CacheCore::Entry* CacheCore::find(Key key) const {
   return it == index_.end() ? nullptr : &*it->second;
 }
 
-Digest CacheCore::prefix_digest(const HistoryRef& h, int64_t num_tokens, uint64_t seed) const {
+Digest history_prefix_digest(const HistoryRef& h, int64_t num_tokens, int64_t page_size, uint64_t seed) {
   if (h.has_caller_digests()) {
     if (h.tail_digest != nullptr && num_tokens == h.tail_tokens) return *h.tail_digest;
-    if (h.page_digests != nullptr && num_tokens > 0 && num_tokens % page_size_ == 0 && num_tokens <= h.length) {
-      return h.page_digests[num_tokens / page_size_ - 1];
+    if (h.page_digests != nullptr && num_tokens > 0 && num_tokens % page_size == 0 && num_tokens <= h.length) {
+      return h.page_digests[num_tokens / page_size - 1];
     }
     throw std::invalid_argument("no caller digest for the first " + str(num_tokens) + " tokens (page size " +
-                                str(page_size_) + ", tail digest covers " + str(h.tail_tokens) + ")");
+                                str(page_size) + ", tail digest covers " + str(h.tail_tokens) + ")");
   }
   if (h.rows == nullptr && num_tokens > 0) throw std::invalid_argument("history has neither token rows nor digests");
   return hash_bytes(h.rows, static_cast<size_t>(num_tokens * h.row_bytes), seed);
 }
 
-int64_t CacheCore::longest_matching_pages(const std::vector<Digest>& stored, const HistoryRef& h,
-                                          uint64_t seed) const {
-  const int64_t P = page_size_;
-  int64_t hi = std::min<int64_t>(static_cast<int64_t>(stored.size()), h.length / P);
+int64_t longest_matching_pages(const Digest* stored, int64_t num_stored, const HistoryRef& h, int64_t page_size,
+                               uint64_t seed) {
+  const int64_t P = page_size;
+  int64_t hi = std::min<int64_t>(num_stored, h.length / P);
   if (hi == 0) return 0;
-  if (prefix_digest(h, hi * P, seed) == stored[hi - 1]) return hi;
+  if (history_prefix_digest(h, hi * P, P, seed) == stored[hi - 1]) return hi;
   // NOTE: "matches at k" is monotone in k (a prefix hash commits to every earlier token), so
   // bisect. Invariant: pages [0, lo) match, page hi does not.
   int64_t lo = 0;
   hi -= 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (prefix_digest(h, mid * P, seed) == stored[mid - 1]) {
+    if (history_prefix_digest(h, mid * P, P, seed) == stored[mid - 1]) {
       lo = mid;
     } else {
       hi = mid - 1;
     }
   }
   return lo;
+}
+
+Digest CacheCore::prefix_digest(const HistoryRef& h, int64_t num_tokens, uint64_t seed) const {
+  return history_prefix_digest(h, num_tokens, page_size_, seed);
+}
+
+int64_t CacheCore::longest_matching_pages(const std::vector<Digest>& stored, const HistoryRef& h,
+                                          uint64_t seed) const {
+  return gr_kv_core::longest_matching_pages(stored.data(), static_cast<int64_t>(stored.size()), h, page_size_, seed);
 }
 
 int64_t CacheCore::match(int64_t user, const HistoryRef& h, int64_t* version) const {

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <list>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -100,6 +101,12 @@ struct HistoryRef {
   int64_t tail_tokens = -1;
   bool has_caller_digests() const { return page_digests != nullptr || tail_digest != nullptr; }
 };
+
+// The prefix hash of a history's first `num_tokens` rows (the caller's digest when it has one)
+// and how many leading pages of `stored` (prefix hashes) the history matches (bisection).
+Digest history_prefix_digest(const HistoryRef& h, int64_t num_tokens, int64_t page_size, uint64_t seed);
+int64_t longest_matching_pages(const Digest* stored, int64_t num_stored, const HistoryRef& h, int64_t page_size,
+                               uint64_t seed);
 
 struct Evicted {
   int64_t users = 0;
@@ -264,6 +271,118 @@ class CacheCore {
   int32_t ns_ = -1;
   int64_t clock_ = 0;
   int64_t next_plan_id_ = 0;
+};
+
+// ----------------------------------------------------------------------------------- host tier
+// Free host slots as sorted runs; a reservation takes one run of consecutive slots whenever one of
+// the first 64 runs fits (so a user's pages copy as one transfer per layer), else pieces of the
+// lowest runs. Freed slots merge with their free neighbours.
+class ExtentAllocator {
+ public:
+  explicit ExtentAllocator(int64_t num_slots);
+  int64_t num_slots() const { return num_slots_; }
+  int64_t num_free() const { return num_free_; }
+  bool alloc(int64_t n, std::vector<int64_t>* out);  // false (nothing taken) if fewer are free
+  // Throws std::logic_error (nothing freed) on a double free or a slot out of range.
+  void free(std::vector<int64_t> slots);
+  std::vector<int64_t> free_slots() const;            // ascending
+
+ private:
+  void take(std::map<int64_t, int64_t>::iterator it, int64_t n);
+  void check_free(int64_t start, int64_t n) const;
+  void insert(int64_t start, int64_t n);
+  std::map<int64_t, int64_t> runs_;  // first slot -> length
+  int64_t num_slots_, num_free_;
+};
+
+// The pinned host tier's bookkeeping (the `native` backend's policy; gr_plugin/cache/host_tier.py
+// is a thin layer over it): per user a contiguous prefix of full pages in host slots, each with its
+// prefix hash; writes are reserved, copied by the caller, then published in reservation order (a
+// failed one dooms the later ones: the prefix may not have holes); readers pin a user against
+// eviction; LRU over users frees slots for a reservation. Owns no bytes and no device pages.
+// Users are keyed by (namespace id, user id); the caller names namespaces.
+class HostCore {
+ public:
+  explicit HostCore(int64_t num_slots, int64_t page_size);
+  int64_t num_slots() const { return free_.num_slots(); }
+  int64_t num_free() const { return free_.num_free(); }
+  int64_t page_size() const { return page_size_; }
+
+  // Leading published pages of `history` held for the user (0 without hashing when the user holds
+  // at most `min_pages`). Changes nothing.
+  int64_t match(int32_t ns, int64_t user, const HistoryRef& history, uint64_t seed, int64_t min_pages) const;
+  int64_t version(int32_t ns, int64_t user) const;  // -1: nothing held
+  // Slots of published pages [first, first + n), pinned until release; false if not all held.
+  bool acquire(int32_t ns, int64_t user, int64_t first, int64_t n, std::vector<int64_t>* slots);
+  void release(int32_t ns, int64_t user);  // throws if the user is not pinned
+  // Length of the common prefix of `hashes` and what is stored or being stored for the user.
+  int64_t stored_pages(int32_t ns, int64_t user, const Digest* hashes, int64_t n) const;
+
+  struct Dropped {  // an LRU user whose slots a reservation took (for a spill to a tier below)
+    int32_t ns;
+    int64_t user;
+    std::vector<int64_t> slots;
+    std::vector<Digest> hashes;
+  };
+  // Reserve slots for pages first..first+n with these prefix hashes: false, nothing changed, when
+  // they cannot be had (a busy user's diverging tail, a gap, too few slots even after evicting
+  // every idle user). Drops the user's stale tail past `first`, then LRU users (`dropped`).
+  bool reserve(int32_t ns, int64_t user, int64_t first, const Digest* hashes, int64_t n, std::vector<int64_t>* slots,
+               std::vector<Dropped>* dropped);
+  // Publish the user's oldest reservation (its slots must equal `slots`): its first `num_ok` pages
+  // become readable (0: none; the rest go back and later reservations of the user are doomed).
+  // Returns the first page published; `published` gets the published pages' hashes.
+  int64_t publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
+                  std::vector<Digest>* published);
+  void evict(int32_t ns, int64_t user);  // throws (nothing changed) while pinned or reserved
+  void clear();                          // throws (nothing changed) while any user is busy
+
+  std::vector<std::pair<int32_t, int64_t>> lru_order() const;  // least recently used first
+  std::vector<int64_t> slots_of(int32_t ns, int64_t user) const;
+  std::vector<Digest> hashes_of(int32_t ns, int64_t user) const;
+  int64_t num_users() const { return static_cast<int64_t>(index_.size()); }
+  // evicted users, evicted pages, failed reserves, pages written (published), pages read (acquired)
+  std::vector<int64_t> counters() const;
+  std::string check() const;  // "" when every slot is free or owned once, else what is wrong
+
+ private:
+  struct Key {
+    int32_t ns;
+    int64_t user;
+    bool operator==(const Key& o) const { return ns == o.ns && user == o.user; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const noexcept {
+      return std::hash<int64_t>()(k.user) * 31u + static_cast<size_t>(k.ns);
+    }
+  };
+  struct Reservation {
+    std::vector<int64_t> slots;
+    std::vector<Digest> hashes;
+    bool doomed = false;
+  };
+  struct Entry {
+    Key key;
+    std::vector<int64_t> slots;
+    std::vector<Digest> hashes;
+    std::deque<Reservation> pending;  // in write order
+    int64_t pins = 0;
+    int64_t version = 0;
+    bool busy() const { return pins > 0 || !pending.empty(); }
+    int64_t held() const;  // published + pending pages
+  };
+  using LruList = std::list<Entry>;
+  Entry* find(Key key);
+  const Entry* find(Key key) const;
+  void touch(LruList::iterator it);
+  void drop(LruList::iterator it, std::vector<Dropped>* dropped);
+
+  int64_t page_size_;
+  ExtentAllocator free_;
+  LruList lru_;
+  std::unordered_map<Key, LruList::iterator, KeyHash> index_;
+  int64_t clock_ = 0;
+  int64_t evicted_users_ = 0, evicted_pages_ = 0, reserve_failed_ = 0, pages_written_ = 0, pages_read_ = 0;
 };
 
 }  // namespace gr_kv_core

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from gr_plugin.csrc.toolchain import libstdcxx_ldflags
+
 from gr_plugin.csrc.build import build_directory, load_library
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def build_runner(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     cmake, ninja = _tool("cmake"), _tool("ninja")
     configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(directory), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
+                 f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                 f"-DGR_KV_EXTRA_LINK_LIBS={';'.join(libstdcxx_ldflags())}"]
     for cmd in (configure, [cmake, "--build", str(directory)]):
         proc = subprocess.run(cmd, capture_output=not verbose, text=True)
         if proc.returncode != 0:

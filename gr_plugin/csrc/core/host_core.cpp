@@ -1,0 +1,363 @@
+// The host tier's bookkeeping: free-slot runs (ExtentAllocator) and per-user published prefixes,
+// reservations, pins and LRU (HostCore). Semantics in kv_core.h and docs/ARCHITECTURE.md.
+#include <algorithm>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "kv_core.h"
+
+namespace gr_kv_core {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+constexpr int kScanRuns = 64;  // runs looked at for one that fits whole
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ ExtentAllocator
+ExtentAllocator::ExtentAllocator(int64_t num_slots) : num_slots_(num_slots), num_free_(num_slots) {
+  if (num_slots < 0) throw std::invalid_argument("negative slot count " + str(num_slots));
+  if (num_slots > 0) runs_.emplace(0, num_slots);
+}
+
+void ExtentAllocator::take(std::map<int64_t, int64_t>::iterator it, int64_t n) {
+  const int64_t start = it->first, length = it->second;
+  runs_.erase(it);
+  if (length > n) runs_.emplace(start + n, length - n);
+  num_free_ -= n;
+}
+
+bool ExtentAllocator::alloc(int64_t n, std::vector<int64_t>* out) {
+  if (n < 0) throw std::invalid_argument("negative slot count " + str(n));
+  if (n > num_free_) return false;
+  if (n == 0) return true;
+  int scanned = 0;
+  for (auto it = runs_.begin(); it != runs_.end() && scanned < kScanRuns; ++it, ++scanned) {
+    if (it->second >= n) {
+      const int64_t start = it->first;
+      take(it, n);
+      for (int64_t s = start; s < start + n; ++s) out->push_back(s);
+      return true;
+    }
+  }
+  int64_t got = 0;
+  while (got < n) {
+    auto it = runs_.begin();
+    const int64_t start = it->first, k = std::min(it->second, n - got);
+    take(it, k);
+    for (int64_t s = start; s < start + k; ++s) out->push_back(s);
+    got += k;
+  }
+  return true;
+}
+
+void ExtentAllocator::check_free(int64_t start, int64_t n) const {
+  if (start < 0 || start + n > num_slots_) {
+    throw std::logic_error("host slots " + str(start) + ".." + str(start + n) + " out of range");
+  }
+  auto next = runs_.lower_bound(start);
+  const bool overlaps_next = next != runs_.end() && next->first < start + n;
+  const bool overlaps_prev = next != runs_.begin() && std::prev(next)->first + std::prev(next)->second > start;
+  if (overlaps_next || overlaps_prev) {
+    throw std::logic_error("host slots " + str(start) + ".." + str(start + n) + " freed twice");
+  }
+}
+
+void ExtentAllocator::insert(int64_t start, int64_t n) {
+  auto next = runs_.lower_bound(start);
+  num_free_ += n;
+  if (next != runs_.end() && next->first == start + n) {  // merge with the next run
+    n += next->second;
+    next = runs_.erase(next);
+  }
+  if (next != runs_.begin()) {  // merge with the previous run
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      prev->second += n;
+      return;
+    }
+  }
+  runs_.emplace(start, n);
+}
+
+void ExtentAllocator::free(std::vector<int64_t> slots) {
+  std::sort(slots.begin(), slots.end());
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (start, length)
+  for (int64_t s : slots) {
+    if (!runs.empty() && s == runs.back().first + runs.back().second) {
+      runs.back().second += 1;
+    } else if (!runs.empty() && s < runs.back().first + runs.back().second) {
+      throw std::logic_error("host slot " + str(s) + " freed twice in one call");
+    } else {
+      runs.emplace_back(s, 1);
+    }
+  }
+  for (const auto& [start, n] : runs) check_free(start, n);  // all checks first: a bad free changes nothing
+  for (const auto& [start, n] : runs) insert(start, n);
+}
+
+std::vector<int64_t> ExtentAllocator::free_slots() const {
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(num_free_));
+  for (const auto& [start, length] : runs_) {
+    for (int64_t s = start; s < start + length; ++s) out.push_back(s);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------- HostCore
+int64_t HostCore::Entry::held() const {
+  int64_t n = static_cast<int64_t>(hashes.size());
+  for (const Reservation& r : pending) n += static_cast<int64_t>(r.hashes.size());
+  return n;
+}
+
+HostCore::HostCore(int64_t num_slots, int64_t page_size) : page_size_(page_size), free_(num_slots) {
+  if (num_slots <= 0) throw std::invalid_argument("host tier needs at least one slot, got " + str(num_slots));
+  if (page_size <= 0) throw std::invalid_argument("page_size must be positive, got " + str(page_size));
+}
+
+HostCore::Entry* HostCore::find(Key key) {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &*it->second;
+}
+
+const HostCore::Entry* HostCore::find(Key key) const {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &*it->second;
+}
+
+void HostCore::touch(LruList::iterator it) { lru_.splice(lru_.end(), lru_, it); }
+
+int64_t HostCore::match(int32_t ns, int64_t user, const HistoryRef& history, uint64_t seed, int64_t min_pages) const {
+  if (history.length < 0) {
+    throw std::invalid_argument("negative history length " + str(history.length) + " for user " + str(user));
+  }
+  const Entry* e = find(Key{ns, user});
+  if (e == nullptr || static_cast<int64_t>(e->hashes.size()) <= min_pages) return 0;
+  return longest_matching_pages(e->hashes.data(), static_cast<int64_t>(e->hashes.size()), history, page_size_, seed);
+}
+
+int64_t HostCore::version(int32_t ns, int64_t user) const {
+  const Entry* e = find(Key{ns, user});
+  return e == nullptr ? -1 : e->version;
+}
+
+bool HostCore::acquire(int32_t ns, int64_t user, int64_t first, int64_t n, std::vector<int64_t>* slots) {
+  if (first < 0 || n < 0) {
+    throw std::invalid_argument("acquire of pages [" + str(first) + ", " + str(first + n) + ") for user " + str(user));
+  }
+  auto it = index_.find(Key{ns, user});
+  if (it == index_.end() || first + n > static_cast<int64_t>(it->second->slots.size())) return false;
+  Entry& e = *it->second;
+  e.pins += 1;
+  touch(it->second);
+  pages_read_ += n;
+  slots->assign(e.slots.begin() + first, e.slots.begin() + first + n);
+  return true;
+}
+
+void HostCore::release(int32_t ns, int64_t user) {
+  Entry* e = find(Key{ns, user});
+  if (e == nullptr || e->pins <= 0) throw std::logic_error("release of unpinned host entry of user " + str(user));
+  e->pins -= 1;
+}
+
+int64_t HostCore::stored_pages(int32_t ns, int64_t user, const Digest* hashes, int64_t n) const {
+  const Entry* e = find(Key{ns, user});
+  if (e == nullptr) return 0;
+  int64_t k = 0;
+  for (const Digest& h : e->hashes) {
+    if (k >= n || h != hashes[k]) return k;
+    ++k;
+  }
+  for (const Reservation& r : e->pending) {
+    for (const Digest& h : r.hashes) {
+      if (k >= n || h != hashes[k]) return k;
+      ++k;
+    }
+  }
+  return k;
+}
+
+void HostCore::drop(LruList::iterator it, std::vector<Dropped>* dropped) {
+  Entry& e = *it;
+  evicted_users_ += 1;
+  evicted_pages_ += static_cast<int64_t>(e.slots.size());
+  if (dropped != nullptr && !e.slots.empty()) dropped->push_back(Dropped{e.key.ns, e.key.user, e.slots, e.hashes});
+  free_.free(e.slots);
+  index_.erase(e.key);
+  lru_.erase(it);
+}
+
+bool HostCore::reserve(int32_t ns, int64_t user, int64_t first, const Digest* hashes, int64_t n,
+                       std::vector<int64_t>* slots, std::vector<Dropped>* dropped) {
+  if (first < 0 || n < 0) {
+    throw std::invalid_argument("reserve of pages [" + str(first) + ", " + str(first + n) + ") for user " + str(user));
+  }
+  const Key key{ns, user};
+  auto found = index_.find(key);
+  Entry* entry = found == index_.end() ? nullptr : &*found->second;
+  const int64_t held = entry == nullptr ? 0 : entry->held();
+  // A stored prefix longer than `first` diverges from the caller's (the history was edited): its
+  // stale tail is dropped, unless someone is reading or writing it.
+  const int64_t stale = held - first;
+  // Feasibility first, so a failed reserve changes nothing.
+  int64_t evictable = 0;
+  if (free_.num_free() + std::max<int64_t>(stale, 0) < n) {
+    for (const Entry& e : lru_) {
+      if (!(e.key == key) && !e.busy()) evictable += static_cast<int64_t>(e.slots.size());
+    }
+  }
+  if (stale < 0 || (stale > 0 && entry->busy()) || n > free_.num_slots() ||
+      free_.num_free() + stale + evictable < n) {
+    reserve_failed_ += 1;
+    return false;
+  }
+  if (stale > 0) {  // not busy: nothing pending, so `held` is the published prefix
+    free_.free(std::vector<int64_t>(entry->slots.begin() + first, entry->slots.end()));
+    entry->slots.resize(static_cast<size_t>(first));
+    entry->hashes.resize(static_cast<size_t>(first));
+    entry->version = ++clock_;
+  }
+  for (auto it = lru_.begin(); it != lru_.end() && free_.num_free() < n;) {
+    auto next = std::next(it);
+    if (!(it->key == key) && !it->busy()) drop(it, dropped);
+    it = next;
+  }
+  if (entry == nullptr) {
+    lru_.push_back(Entry{});
+    auto it = std::prev(lru_.end());
+    it->key = key;
+    it->version = ++clock_;
+    index_.emplace(key, it);
+    entry = &*it;
+    found = index_.find(key);
+  }
+  Reservation r;
+  if (!free_.alloc(n, &r.slots)) throw std::logic_error("host tier: a feasible reserve found too few slots");
+  r.hashes.assign(hashes, hashes + n);
+  *slots = r.slots;
+  entry->pending.push_back(std::move(r));
+  touch(found->second);
+  return true;
+}
+
+int64_t HostCore::publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
+                          std::vector<Digest>* published) {
+  auto it = index_.find(Key{ns, user});
+  if (it == index_.end() || it->second->pending.empty()) {
+    throw std::logic_error("publish of user " + str(user) + " with nothing reserved");
+  }
+  Entry& e = *it->second;
+  if (e.pending.front().slots != slots) throw std::logic_error("host publishes out of order for user " + str(user));
+  Reservation res = std::move(e.pending.front());
+  e.pending.pop_front();
+  const int64_t n = static_cast<int64_t>(res.hashes.size());
+  const int64_t good = res.doomed ? 0 : std::max<int64_t>(0, std::min(num_ok, n));
+  const int64_t first = static_cast<int64_t>(e.hashes.size());
+  if (good > 0) {
+    e.slots.insert(e.slots.end(), res.slots.begin(), res.slots.begin() + good);
+    e.hashes.insert(e.hashes.end(), res.hashes.begin(), res.hashes.begin() + good);
+    published->assign(res.hashes.begin(), res.hashes.begin() + good);
+    pages_written_ += good;
+    e.version = ++clock_;
+  }
+  if (good == n) return first;
+  // NOTE: later reservations of this user would leave a hole in the prefix: they fail too.
+  for (Reservation& later : e.pending) later.doomed = true;
+  free_.free(std::vector<int64_t>(res.slots.begin() + good, res.slots.end()));
+  if (e.slots.empty() && e.pending.empty() && e.pins == 0) {
+    auto lit = it->second;
+    index_.erase(it);
+    lru_.erase(lit);
+  }
+  return first;
+}
+
+void HostCore::evict(int32_t ns, int64_t user) {
+  auto it = index_.find(Key{ns, user});
+  if (it == index_.end()) return;
+  if (it->second->busy()) {
+    throw std::invalid_argument("user " + str(user) + " is being read or written in the host tier; cannot evict now");
+  }
+  drop(it->second, nullptr);
+}
+
+void HostCore::clear() {
+  std::string busy;
+  for (const Entry& e : lru_) {
+    if (e.busy()) busy += (busy.empty() ? "" : ", ") + str(e.key.user);
+  }
+  if (!busy.empty()) throw std::invalid_argument("host tier has in-flight users [" + busy + "]; flush first");
+  while (!lru_.empty()) drop(lru_.begin(), nullptr);
+}
+
+std::vector<std::pair<int32_t, int64_t>> HostCore::lru_order() const {
+  std::vector<std::pair<int32_t, int64_t>> out;
+  out.reserve(lru_.size());
+  for (const Entry& e : lru_) out.emplace_back(e.key.ns, e.key.user);
+  return out;
+}
+
+std::vector<int64_t> HostCore::slots_of(int32_t ns, int64_t user) const {
+  const Entry* e = find(Key{ns, user});
+  return e == nullptr ? std::vector<int64_t>{} : e->slots;
+}
+
+std::vector<Digest> HostCore::hashes_of(int32_t ns, int64_t user) const {
+  const Entry* e = find(Key{ns, user});
+  return e == nullptr ? std::vector<Digest>{} : e->hashes;
+}
+
+std::vector<int64_t> HostCore::counters() const {
+  return {evicted_users_, evicted_pages_, reserve_failed_, pages_written_, pages_read_};
+}
+
+std::string HostCore::check() const {
+  const int64_t num = free_.num_slots();
+  std::vector<uint8_t> owned(static_cast<size_t>(num), 0);
+  int64_t num_owned = 0;
+  auto own = [&](int64_t s, int64_t user) -> std::string {
+    if (s < 0 || s >= num) return "host slot " + str(s) + " of user " + str(user) + " out of range";
+    if (owned[static_cast<size_t>(s)]) return "host slot " + str(s) + " owned twice";
+    owned[static_cast<size_t>(s)] = 1;
+    ++num_owned;
+    return "";
+  };
+  for (const Entry& e : lru_) {
+    if (e.slots.size() != e.hashes.size()) return "host entry of user " + str(e.key.user) + ": slots/hashes differ";
+    if (e.pins < 0) return "host entry of user " + str(e.key.user) + ": negative pins";
+    for (int64_t s : e.slots) {
+      std::string err = own(s, e.key.user);
+      if (!err.empty()) return err;
+    }
+    for (const Reservation& r : e.pending) {
+      if (r.slots.size() != r.hashes.size()) return "a reservation of user " + str(e.key.user) + ": slots/hashes differ";
+      for (int64_t s : r.slots) {
+        std::string err = own(s, e.key.user);
+        if (!err.empty()) return err;
+      }
+    }
+    auto it = index_.find(e.key);
+    if (it == index_.end() || &*it->second != &e) return "host LRU and index disagree on user " + str(e.key.user);
+  }
+  if (index_.size() != lru_.size()) return "host LRU and index sizes differ";
+  const std::vector<int64_t> free = free_.free_slots();
+  if (static_cast<int64_t>(free.size()) != free_.num_free()) return "host free count disagrees with its runs";
+  for (int64_t s : free) {
+    if (s < 0 || s >= num) return "free host slot " + str(s) + " out of range";
+    if (owned[static_cast<size_t>(s)]) return "host slot " + str(s) + " both free and owned";
+  }
+  if (num_owned + static_cast<int64_t>(free.size()) != num) {
+    return "host slots leaked: " + str(num - num_owned - static_cast<int64_t>(free.size()));
+  }
+  return "";
+}
+
+}  // namespace gr_kv_core
