@@ -68,7 +68,7 @@ def _sync(device: torch.device) -> None:
 
 def _scenario(model: HSTURanker, cache: KVCacheModule, packaged: PackagedCachedRanker, scenario: str, *,
               batch: int, history_len: int, new_events: int, candidates: int, steps: int, warmup: int,
-              seed: int, device: torch.device = torch.device("cpu")) -> tuple[list[dict[str, Any]], list[StreamBatch], list[torch.Tensor]]:
+              seed: int, device: torch.device) -> tuple[list[dict[str, Any]], list[StreamBatch], list[torch.Tensor]]:
     """Rows of the two Python modes, and the requests in order with their full recomputation (what the
     C++ runner replays: the priming request of ``hit`` first)."""
     stream = _Stream(model.config, batch, seed)

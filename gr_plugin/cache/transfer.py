@@ -249,12 +249,15 @@ class CudaTransferEngine(TransferEngine):
         both = joint_runs(src_pages.tolist(), dst_pages.tolist())
         events = []
         if len(both) <= self.max_runs:
-            # NOTE: host slots and device pages both consecutive: copy straight into the pages.
+            # NOTE: host slots and device pages both consecutive: copy straight into the pages. The
+            # per-layer views of each run come from one slice + unbind (host time is the launch's cost).
+            pairs = [(dst[:, d0 : d0 + length].unbind(0), src[:, s0 : s0 + length].unbind(0))
+                     for s0, d0, length in both]
             with torch.cuda.stream(stream):
                 stream.wait_stream(caller)
                 for layer in range(num_layers):
-                    for s0, d0, length in both:
-                        dst[layer, d0 : d0 + length].copy_(src[layer, s0 : s0 + length], non_blocking=True)
+                    for d, s in pairs:
+                        d[layer].copy_(s[layer], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events.append(ev)

@@ -142,7 +142,8 @@ int64_t throw_caught(int64_t x) {
   return 0;
 }
 '''
-m = load_inline(NAME, cpp_sources=src, functions=["throw_caught"], build_directory=BUILD, extra_ldflags=LDFLAGS, verbose=False)
+m = load_inline(NAME, cpp_sources=src, functions=["throw_caught"], build_directory=BUILD, extra_ldflags=LDFLAGS,
+                verbose=False)
 print("c10 caught:", m.throw_caught(1), flush=True)
 """
 
@@ -225,7 +226,8 @@ def main() -> None:
     if "tools" in which:
         for tool in ("gdb", "g++", "clang++", "ld", "catchsegv"):
             path = shutil.which(tool)
-            ver = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[:1] if path else []
+            ver = (subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+                   if path else [])
             print(f"--- {tool}: {path} {ver}")
     if "ext_O0" in which:
         run("extension exceptions, -O0", ext_defs("probe_ext_O0", ["-O0"]) + EXT)

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from gr_plugin.csrc.toolchain import libstdcxx_ldflags
-
 from gr_plugin.csrc.build import build_directory, load_library
+from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
 
