@@ -243,12 +243,12 @@ def main() -> None:
         run("failing TORCH_CHECK caught, under gdb", ext_defs("probe_crash", []) + CRASH_CHECK, prefix=gdb_prefix,
             tail=45, timeout=400)
     if "libs" in which:
-        from gr_plugin.csrc.toolchain import libstdcxx_ldflags, links_static_libstdcxx
+        from gr_plugin.csrc.toolchain import compiler, libstdcxx_ldflags
 
         for name in ("libstdc++.so", "libstdc++.a", "libstdc++.so.6"):
             got = subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
             print(f"--- g++ -print-file-name={name}: {got}")
-        print(f"--- toolchain: links libstdc++ statically {links_static_libstdcxx()}, flags {libstdcxx_ldflags()}")
+        print(f"--- toolchain: compiler {compiler()} (CXX={os.environ.get('CXX')}), flags {libstdcxx_ldflags()}")
         crash = WORK / "probe_crash" / "probe_crash.so"
         if crash.exists():
             for cmd in (f"readelf -d {crash} | grep NEEDED", f"nm -D --defined-only {crash} | grep -c 'St6locale'"):

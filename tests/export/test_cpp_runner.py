@@ -144,6 +144,12 @@ def test_runner_reports_a_missing_package_or_ops_library(exported, runner, tmp_p
     proc = subprocess.run([str(runner), "--package", "x.pt2", "--stream", str(stream_dir)], capture_output=True,
                           text=True, env={"PATH": "/usr/bin"})
     assert proc.returncode == 2 and "no gr_kv ops library" in proc.stderr
+    proc = subprocess.run([str(runner), "--package", "x.pt2", "--stream", str(stream_dir), "--ops", "x.so",
+                           "--device", "tpu:x"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--device must be cpu or cuda[:N], got 'tpu:x'" in proc.stderr
+    if not torch.cuda.is_available():
+        res = run_runner(tmp_path / "none.pt2", stream_dir, runner=runner, device="cuda")
+        assert res.returncode == 2 and "this libtorch has no CUDA" in res.stderr, res.stderr
 
 
 def test_export_bench_has_cpp_runner_rows():
@@ -158,3 +164,19 @@ def test_export_bench_has_cpp_runner_rows():
     assert cpp["hit"]["hit_rate"] > 0.5 and cpp["miss"]["hit_rate"] == 0
     for r in rows:
         assert r["max_abs_diff_vs_full"] <= 1e-5 and r["ms_p50"] > 0
+
+
+@pytest.mark.gpu
+def test_export_bench_on_the_gpu_has_cpp_runner_rows():
+    """The package compiled for CUDA, scored from Python and by the C++ runner (``--device cuda``)."""
+    from gr_plugin.bench import export as bench
+
+    model = {"num_items": 50, "num_time_buckets": 8, "embedding_dim": 16, "num_heads": 2, "head_dim": 8,
+             "n_norm": 32.0}
+    rows = bench.run(batch=2, history_len=16, new_events=2, candidates=2, steps=3, warmup=1, page_size=4,
+                     model=model, device="cuda")
+    cpp = {r["scenario"]: r for r in rows if r["mode"].startswith("C++")}
+    assert set(cpp) == {"hit", "miss"} and len(rows) == 6
+    assert cpp["hit"]["hit_rate"] > 0.5 and cpp["miss"]["hit_rate"] == 0
+    for r in rows:
+        assert r["device"] == "cuda" and r["max_abs_diff_vs_full"] <= 1e-4 and r["ms_p50"] > 0

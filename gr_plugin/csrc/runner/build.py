@@ -73,13 +73,14 @@ class RunnerResult:
 
 def run_runner(package: str | Path, stream: str | Path, *, mode: str = "hit", warmup: int = 0,
                tolerance: float = 1e-5, scores_out: str | Path | None = None, runner: str | Path | None = None,
-               timeout: float | None = 600) -> RunnerResult:
-    """Run the runner on ``package`` and ``stream`` (building it and the ops library if needed)."""
+               timeout: float | None = 600, device: str = "cpu") -> RunnerResult:
+    """Run the runner on ``package`` and ``stream`` (building it and the ops library if needed);
+    ``device``: where the KV table and the inputs live (the package's device)."""
     exe = str(runner) if runner is not None else str(build_runner())
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [exe, "--package", str(package), "--stream", str(stream), "--ops", load_library(), "--mode", mode,
-               "--warmup", str(warmup), "--tolerance", repr(tolerance), "--report", str(report)]
+               "--warmup", str(warmup), "--tolerance", repr(tolerance), "--report", str(report), "--device", device]
         if scores_out is not None:
             cmd += ["--scores-out", str(scores_out)]
         env = {k: v for k, v in os.environ.items() if k != "GR_KV_OPS_LIB"}

@@ -42,6 +42,7 @@ using Clock = std::chrono::steady_clock;
 struct Options {
   std::string package, stream, ops, scores_out, report;
   std::string mode = "hit";
+  std::string device = "cpu";
   double tolerance = 1e-5;
   int64_t warmup = 0;
   bool verbose = false;
@@ -53,9 +54,10 @@ struct UsageError : std::runtime_error {
 
 const char* kUsage =
     "usage: gr_runner --package MODEL.pt2 --stream DIR [--ops LIB.so] [--mode hit|miss] [--tolerance X]\n"
-    "                 [--warmup N] [--scores-out FILE] [--report FILE.json] [--verbose]\n"
+    "                 [--warmup N] [--scores-out FILE] [--report FILE.json] [--device cpu|cuda[:N]] [--verbose]\n"
     "  --ops: the gr_kv ops library (python -m gr_plugin.csrc.build prints it; default $GR_KV_OPS_LIB)\n"
-    "  --mode miss: abort every step's plan (nothing is reused: every history is computed)\n";
+    "  --mode miss: abort every step's plan (nothing is reused: every history is computed)\n"
+    "  --device: where the KV table and the inputs live; the package's device (default cpu)\n";
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -71,6 +73,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--scores-out") o.scores_out = value();
     else if (a == "--report") o.report = value();
     else if (a == "--mode") o.mode = value();
+    else if (a == "--device") o.device = value();
     else if (a == "--tolerance") o.tolerance = std::stod(value());
     else if (a == "--warmup") o.warmup = std::stoll(value());
     else if (a == "--verbose") o.verbose = true;
@@ -81,6 +84,11 @@ Options parse(int argc, char** argv) {
   if (o.mode != "hit" && o.mode != "miss") throw UsageError("--mode must be hit or miss, got '" + o.mode + "'");
   if (!(o.tolerance >= 0)) throw UsageError("--tolerance must be >= 0");
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0, got " + std::to_string(o.warmup));
+  try {
+    (void)c10::Device(o.device);
+  } catch (const c10::Error&) {
+    throw UsageError("--device must be cpu or cuda[:N], got '" + o.device + "'");
+  }
   if (o.ops.empty()) {
     const char* env = std::getenv("GR_KV_OPS_LIB");
     if (env == nullptr || *env == '\0') {
@@ -145,6 +153,8 @@ struct Totals {
 };
 
 int run(const Options& o) {
+  const c10::Device device(o.device);
+  if (device.is_cuda() && !at::hasCUDA()) throw std::runtime_error("--device " + o.device + ": this libtorch has no CUDA");
   const Stream stream = Stream::load(o.stream);
   const int64_t P = stream.get_int("page_size"), num_pages = stream.get_int("num_pages");
   const int64_t max_positions = stream.get_int("max_positions"), num_tasks = stream.get_int("num_tasks");
@@ -168,7 +178,7 @@ int run(const Options& o) {
   const std::string ns = stream.get("namespace");
   core.set_namespace(ns, gr_kv_core::namespace_seed(ns));
   at::Tensor kv_table = at::zeros({stream.get_int("num_layers"), num_pages, 2, P, stream.get_int("num_heads"),
-                                         stream.get_int("head_dim")}, at::kFloat);
+                                         stream.get_int("head_dim")}, at::TensorOptions().dtype(at::kFloat).device(device));
   const bool hit = o.mode == "hit";
   std::vector<float> scores_out;
   Totals tot;
@@ -218,14 +228,17 @@ int run(const Options& o) {
     try {
       in = gr_runner::build_step_inputs(batch, fits ? plan.metadata : full_meta, P, max_positions);
       auto& v = in.values;
-      std::vector<at::Tensor> args{as_tensor(v[0], {4, in.num_query_tokens})};
-      for (int i = 1; i < gr_runner::kNumIntInputs; ++i) args.push_back(as_tensor(v[i], {static_cast<int64_t>(v[i].size())}));
+      std::vector<at::Tensor> args{as_tensor(v[0], {4, in.num_query_tokens}).to(device)};
+      for (int i = 1; i < gr_runner::kNumIntInputs; ++i) {
+        args.push_back(as_tensor(v[i], {static_cast<int64_t>(v[i].size())}).to(device));
+      }
       args.push_back(table);
       t1 = Clock::now();
       std::vector<at::Tensor> out = loader->run(args);
-      t2 = Clock::now();
       if (out.size() != 1) throw std::runtime_error("the package returned " + std::to_string(out.size()) + " outputs");
-      logits = out[0].to(at::kFloat).contiguous();
+      // NOTE: the copy to the host waits for the device, so run_ms covers the package's work on a GPU too.
+      logits = out[0].to(at::kFloat).to(at::kCPU).contiguous();
+      t2 = Clock::now();
     } catch (...) {
       if (fits) core.abort(plan.plan_id);
       throw;
@@ -300,6 +313,7 @@ int run(const Options& o) {
     report.emplace_back(k, s.str());
   };
   report.emplace_back("mode", "\"" + o.mode + "\"");
+  report.emplace_back("device", "\"" + o.device + "\"");
   add("batches", static_cast<double>(stream.num_batches()), true);
   add("timed_batches", static_cast<double>(tot.step_ms.size()), true);
   add("user_visits", static_cast<double>(tot.users), true);
