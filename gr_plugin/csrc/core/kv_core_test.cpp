@@ -1,6 +1,6 @@
 // A tiny test of the plain C++ core, linked without torch or Python (what a C++ runner does):
-// FIFO page ids, zombies, a miss then a hit, LRU eviction order, bad input, and (with libxxhash)
-// digests equal to python-xxhash's. The thorough tests are tests/cache/test_core.py.
+// FIFO page ids, zombies, a miss then a hit, LRU eviction order, bad input, the host tier's slots and
+// reservations, and (with libxxhash) digests equal to python-xxhash's. The thorough tests are tests/cache/test_core.py.
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -100,6 +100,44 @@ void test_directory() {
   EXPECT(threw && core.lru_order(0) == (std::vector<int64_t>{3, 1, 4}));
 }
 
+void test_host_tier() {
+  // Slot runs: a reservation takes one run; freed runs merge; a double free changes nothing.
+  ExtentAllocator ex(8);
+  std::vector<int64_t> a, b;
+  EXPECT(ex.alloc(3, &a) && ex.alloc(3, &b) && a == (std::vector<int64_t>{0, 1, 2}) && b[0] == 3);
+  ex.free(a);
+  bool threw = false;
+  try {
+    ex.free({0});
+  } catch (const std::logic_error&) {
+    threw = true;
+  }
+  EXPECT(threw && ex.num_free() == 5);
+  // HostCore: reserve, publish, match by caller digests, pins block eviction, LRU frees slots.
+  HostCore host(4, 2);
+  const Digest h[] = {{1, 0}, {2, 0}, {3, 0}};
+  std::vector<int64_t> slots;
+  std::vector<HostCore::Dropped> dropped;
+  EXPECT(host.reserve(0, 7, 0, h, 2, &slots, &dropped) && slots == (std::vector<int64_t>{0, 1}));
+  std::vector<Digest> published;
+  EXPECT(host.publish(0, 7, slots, 2, &published) == 0 && published.size() == 2);
+  History hist{{1, 2, 3, 4, 5}, {h[0], h[1]}, {}};
+  EXPECT(host.match(0, 7, hist.ref(2, -1), 0, 0) == 2 && host.match(0, 7, hist.ref(2, -1), 0, 2) == 0);
+  EXPECT(host.acquire(0, 7, 1, 1, &slots) && slots == (std::vector<int64_t>{1}));
+  threw = false;
+  try {
+    host.evict(0, 7);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  EXPECT(threw);
+  host.release(0, 7);
+  EXPECT(host.reserve(0, 8, 0, h, 3, &slots, &dropped) && slots.size() == 3);  // evicts user 7
+  EXPECT(dropped.size() == 1 && dropped[0].user == 7 && dropped[0].slots.size() == 2);
+  EXPECT(host.publish(0, 8, slots, 1, &published) == 0 && host.slots_of(0, 8).size() == 1);
+  EXPECT(host.check().empty() && host.num_free() == 3);
+}
+
 void test_hashing() {
   if (!hashing_available()) {
     std::printf("kv_core_test: built without libxxhash; digests come from the caller\n");
@@ -122,6 +160,7 @@ void test_hashing() {
 int main() {
   test_pool();
   test_directory();
+  test_host_tier();
   test_hashing();
   std::printf("kv_core_test: ok\n");
   return 0;
