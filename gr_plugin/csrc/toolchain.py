@@ -1,10 +1,10 @@
 """Make native builds (our C++ extensions, AOTInductor packages, the C++ runner) link the shared
 libstdc++ that torch itself uses.
 
-Owns one toolchain rule. On the lent H200 image the compiler that torch's builders invoke linked the
-*static* ``libstdc++.a`` into shared libraries (``readelf -d`` shows no ``libstdc++.so.6``; ``nm``
-shows hundreds of ``std::locale`` symbols defined in the library), although ``g++
--print-file-name=libstdc++.so`` finds the development symlink there. Such a library carries its own
+Owns one toolchain rule. On the lent H200 image the compiler that torch's builders invoke
+(``$CXX=/opt/gcc/bin/g++``, a GCC install whose driver finds ``libstdc++.a`` but no ``libstdc++.so``)
+linked the *static* archive into shared libraries (``readelf -d`` shows no ``libstdc++.so.6``;
+``nm`` shows hundreds of ``std::locale`` symbols defined in the library). Such a library carries its own
 copy of the locale and iostream machinery next to the process's ``libstdc++.so.6``, and the first
 use of that copy (``c10::str`` formatting an integer in a failing ``TORCH_CHECK``, ``std::regex`` in
 an AOTInductor wrapper's constructor) segfaults (native backtraces in docs/EXPORT.md). The rule:
