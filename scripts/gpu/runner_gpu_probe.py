@@ -34,7 +34,7 @@ def main() -> None:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/runner_gpu_probe")
     work.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    cpu_model = tiny_model(2)
+    cpu_model = tiny_model(2, head_dim=16)  # the Triton kernels take head_dim >= 16
     model = copy.deepcopy(cpu_model).to(DEVICE)
     g = torch.Generator().manual_seed(3)
     users = [User(u, g) for u in range(3)]

@@ -171,7 +171,7 @@ def test_export_bench_on_the_gpu_has_cpp_runner_rows():
     """The package compiled for CUDA, scored from Python and by the C++ runner (``--device cuda``)."""
     from gr_plugin.bench import export as bench
 
-    model = {"num_items": 50, "num_time_buckets": 8, "embedding_dim": 16, "num_heads": 2, "head_dim": 8,
+    model = {"num_items": 50, "num_time_buckets": 8, "embedding_dim": 32, "num_heads": 2, "head_dim": 16,
              "n_norm": 32.0}
     rows = bench.run(batch=2, history_len=16, new_events=2, candidates=2, steps=3, warmup=1, page_size=4,
                      model=model, device="cuda")

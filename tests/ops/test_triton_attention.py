@@ -136,7 +136,7 @@ def test_gpu_training_gradients_equal_the_reference():
     grads = {}
     for key, device, dt in (("cpu", "cpu", torch.float32), ("fp32", "cuda", torch.float32),
                             ("bf16", "cuda", torch.bfloat16)):
-        leaves = {n: jag[n].to(device, dt).requires_grad_() for n in ("q", "k", "v")}
+        leaves = {n: jag[n].detach().to(device, dt).requires_grad_() for n in ("q", "k", "v")}
         out = dispatch.hstu_attention_jagged(leaves["q"], leaves["k"], leaves["v"], jag["seq_offsets"].to(device),
                                              jag["num_candidates"].to(device), alpha=ALPHA, n_norm=NORM,
                                              max_seq_len=jag["max_seq_len"])

@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include "host_tier.h"
 #include "kv_core.h"
 #include "layout.h"
 #include "stream.h"
@@ -146,7 +147,7 @@ int compare_inputs(const gr_runner::StepInputs& mine, const BatchView& batch, st
 }
 
 struct Totals {
-  int64_t users = 0, history_tokens = 0, cached_tokens = 0, candidates = 0, fell_back = 0;
+  int64_t users = 0, history_tokens = 0, cached_tokens = 0, candidates = 0, fell_back = 0, host_tokens = 0;
   int64_t inputs_compared = 0, inputs_equal = 0, cached_equal = 0;
   double max_abs_diff = 0.0;
   std::vector<double> step_ms, run_ms;
@@ -180,6 +181,10 @@ int run(const Options& o) {
   at::Tensor kv_table = at::zeros({stream.get_int("num_layers"), num_pages, 2, P, stream.get_int("num_heads"),
                                          stream.get_int("head_dim")}, at::TensorOptions().dtype(at::kFloat).device(device));
   const bool hit = o.mode == "hit";
+  // The stream's cache had a pinned host tier of `host_slots` pages: the runner keeps one too.
+  const int64_t host_slots = stream.get_int("host_slots", 0);
+  std::unique_ptr<gr_runner::HostTier> host_tier;
+  if (host_slots > 0) host_tier = std::make_unique<gr_runner::HostTier>(host_slots, kv_table, P, gr_kv_core::namespace_seed(ns));
   std::vector<float> scores_out;
   Totals tot;
   for (int64_t t = 0; t < stream.num_batches(); ++t) {
@@ -199,6 +204,7 @@ int run(const Options& o) {
       refs[b].row_bytes = sizeof(int64_t);
       refs[b].length = lengths[b] = batch.history_lengths[b];
       dev[b] = core.match(users[b], refs[b], &versions[b]);
+      if (host_tier) host[b] = host_tier->match(users[b], refs[b], dev[b]);
       at += lengths[b];
     }
     gr_kv_core::AllocResult plan = core.allocate(users, lengths, dev, versions, host);
@@ -226,6 +232,7 @@ int run(const Options& o) {
     gr_runner::StepInputs in;
     Clock::time_point t1, t2;
     try {
+      if (fits && host_tier) tot.host_tokens += host_tier->onboard(plan, users, kv_table);
       in = gr_runner::build_step_inputs(batch, fits ? plan.metadata : full_meta, P, max_positions);
       auto& v = in.values;
       std::vector<at::Tensor> args{as_tensor(v[0], {4, in.num_query_tokens}).to(device)};
@@ -245,6 +252,7 @@ int run(const Options& o) {
     }
     if (fits && hit) {
       core.commit(plan.plan_id, refs);
+      if (host_tier) host_tier->write_through(core, users, kv_table);
     } else if (fits) {
       core.abort(plan.plan_id);
     }
@@ -295,7 +303,8 @@ int run(const Options& o) {
                    static_cast<long long>(cached), static_cast<long long>(batch.num_events), ms(t0, t3), ms(t1, t2), diff);
     }
   }
-  const std::string problems = core.check();
+  std::string problems = core.check();
+  if (problems.empty() && host_tier) problems = host_tier->core().check();
   if (!problems.empty()) throw std::runtime_error("cache accounting broken after the stream: " + problems);
   if (!o.scores_out.empty()) {
     std::ofstream f(o.scores_out, std::ios::binary);
@@ -321,6 +330,9 @@ int run(const Options& o) {
   add("history_tokens", static_cast<double>(tot.history_tokens), true);
   add("cached_tokens", static_cast<double>(tot.cached_tokens), true);
   add("full_pass_batches", static_cast<double>(tot.fell_back), true);
+  add("host_slots", static_cast<double>(host_slots), true);
+  add("host_hit_tokens", static_cast<double>(tot.host_tokens), true);
+  add("host_pages_written", static_cast<double>(host_tier ? host_tier->pages_written() : 0), true);
   add("hit_rate", tot.history_tokens ? static_cast<double>(tot.cached_tokens) / static_cast<double>(tot.history_tokens) : 0.0);
   add("step_ms_p50", percentile(tot.step_ms, 0.5));
   add("step_ms_p90", percentile(tot.step_ms, 0.9));

@@ -43,6 +43,10 @@ const std::string& Stream::get(const std::string& key) const {
 
 int64_t Stream::get_int(const std::string& key) const { return parse_int(get(key), dir_ + "/header.txt: " + key); }
 
+int64_t Stream::get_int(const std::string& key, int64_t fallback) const {
+  return header_.count(key) ? get_int(key) : fallback;
+}
+
 const Array& Stream::array(const std::string& name, const char* dtype, size_t ndim) const {
   auto it = arrays_.find(name);
   if (it == arrays_.end()) throw StreamError(dir_ + "/header.txt declares no array '" + name + "'");
@@ -116,6 +120,7 @@ void Stream::validate() {
   for (const char* key : kIntKeys) {
     if (get_int(key) <= 0) throw StreamError("header " + std::string(key) + " must be > 0, got " + get(key));
   }
+  if (get_int("host_slots", 0) < 0) throw StreamError("header host_slots must be >= 0, got " + get("host_slots"));
   const int64_t has = get_int("has_inputs");
   if (has != 0 && has != 1) throw StreamError("header has_inputs must be 0 or 1, got " + str(has));
   has_inputs_ = has == 1;

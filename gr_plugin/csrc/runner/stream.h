@@ -51,6 +51,7 @@ class Stream {
   static Stream load(const std::string& dir);
 
   int64_t get_int(const std::string& key) const;
+  int64_t get_int(const std::string& key, int64_t fallback) const;  // `fallback` when the key is absent
   const std::string& get(const std::string& key) const;
   int64_t num_batches() const { return num_batches_; }
   bool has_inputs() const { return has_inputs_; }
