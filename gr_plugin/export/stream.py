@@ -20,8 +20,9 @@ events, ``C`` candidates, ``T`` batches:
 - with ``has_inputs 1``: ``input_sizes [T, 9]`` and ``input_values [sum]``: the nine int64 package
   inputs Python built for each batch (docs/EXPORT.md, inputs 0-8), flattened, batch after batch.
 
-The header also names the cache (``namespace``, ``page_size``, ``num_pages``; the runner's cache is
-device pages only, so the stream is recorded with a device-only cache) and the model's id ranges.
+The header also names the cache (``namespace``, ``page_size``, ``num_pages``, and ``host_slots``
+when it had a pinned host tier: the runner then keeps one of that many pages, with the same policy)
+and the model's id ranges. A stream without ``host_slots`` is a device-only cache's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gr_plugin.cache import HostTier
 from gr_plugin.export.model import INPUT_NAMES, full_pass_inputs, program_inputs
 from gr_plugin.modules import HSTURanker, KVCacheModule, cache_token_keys
 
@@ -46,7 +48,7 @@ HEADER = "header.txt"
 INT_INPUTS = INPUT_NAMES[:-1]  # every input but kv_table
 _DTYPES = {"int64": torch.int64, "float32": torch.float32}
 _HEADER_INTS = ("page_size", "num_pages", "max_positions", "num_layers", "num_heads", "head_dim", "num_tasks",
-                "num_items", "num_actions", "num_time_buckets", "num_batches", "has_inputs")
+                "num_items", "num_actions", "num_time_buckets", "num_batches", "has_inputs", "host_slots")
 
 
 @dataclasses.dataclass
@@ -138,16 +140,20 @@ def read_stream(path: str | Path) -> Stream:
 
 def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[StreamBatch], path: str | Path, *,
                   with_inputs: bool = True) -> Path:
-    """Score ``batches`` in order with eager cached inference on ``cache`` (CPU, device pages only:
-    what the C++ runner keeps) and write the stream to directory ``path``. ``with_inputs`` also
+    """Score ``batches`` in order with eager cached inference on ``cache`` (CPU; device pages only, or
+    with the pinned host tier of the ``native`` option: what the C++ runner keeps) and write the
+    stream to directory ``path``. Every copy to and from the host tier is flushed after each batch,
+    so the host tier the next batch sees does not depend on copy timing (the runner copies
+    synchronously). ``with_inputs`` also
     saves the package inputs Python builds for each batch (the runner compares its own to them).
     A batch that does not fit in the cache is scored by full recomputation (its cached lengths 0,
     its inputs those of a full pass through a scratch table, `full_pass_inputs`), as the engine
     and the runner do."""
     cfg, mcfg = cache.config, model.config
-    if cache.manager.backend is not None:
-        raise ValueError(f"record the stream with a device-only cache (backend 'gpu'), got "
-                         f"{type(cache.manager.backend).__name__}: the C++ runner has no lower tiers")
+    backend = cache.manager.backend
+    if backend is not None and type(backend) is not HostTier:
+        raise ValueError(f"record the stream with a device-only cache (backend 'gpu') or the host tier ('native'), "
+                         f"got {type(backend).__name__}: the C++ runner has no SSD or remote tier")
     if cfg.torch_device.type != "cpu" or cfg.dtype != "float32":
         raise ValueError(f"streams are recorded on the CPU in float32, got {cfg.device} {cfg.dtype}")
     if not re.fullmatch(r"[A-Za-z0-9_.:/-]+", cfg.namespace):
@@ -181,6 +187,8 @@ def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[Str
             raise
         if plan is not None:
             cache.commit(plan)
+        if backend is not None:
+            cache.manager.offload_flush()
         cols["user_ids"].append(torch.tensor(batch.user_ids, dtype=torch.int64))
         cols["history_lengths"].append(lengths.to(torch.int64))
         cols["candidate_lengths"].append(candidates.lengths().to(torch.int64))
@@ -198,6 +206,8 @@ def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[Str
         "head_dim": cfg.head_dim, "num_tasks": mcfg.num_tasks, "num_items": mcfg.num_items,
         "num_actions": mcfg.num_actions, "num_time_buckets": mcfg.num_time_buckets,
         "num_batches": len(batch_offsets) - 1, "has_inputs": int(with_inputs)}
+    if backend is not None:
+        header["host_slots"] = cfg.num_host_slots
     arrays = {"batch_offsets": torch.tensor(batch_offsets, dtype=torch.int64)}
     arrays.update({k: torch.cat(v) for k, v in cols.items() if v and not k.startswith("input")})
     if with_inputs:

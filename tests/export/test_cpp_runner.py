@@ -101,6 +101,36 @@ def test_runner_without_hits(exported, runner):
     assert res.report["inputs_compared"] == 0  # Python's inputs were recorded with hits
 
 
+def test_runner_with_a_host_tier_reuses_what_python_did(exported, runner, tmp_path):
+    """A device cache of 24 pages and a pinned host tier: users evicted from the device come back and
+    are onboarded from the host tier, in Python (recording) and in the runner (HostCore both)."""
+    model, package, _, _ = exported
+    g = torch.Generator().manual_seed(11)
+    users = [User(u, g) for u in range(6)]
+    for u in users:
+        u.grow(12 + 2 * u.uid)
+    visits = [((0, 1), 0), ((2, 3), 0), ((4, 5), 0), ((0, 1), 2), ((2, 3), 0), ((4, 5), 3), ((0, 2), 1),
+              ((1, 3, 5), 2)]
+    batches = []
+    for uids, grow in visits:
+        sel = [users[u] for u in uids]
+        for u in sel:
+            u.grow(grow)
+        history, candidates, _, _ = make_inputs(sel, [u.candidates(2) for u in sel])
+        batches.append(StreamBatch(list(uids), history, candidates))
+    cache = tiny_cache(model, backend="native", num_pages=24, page_size=4, host_pages=64)
+    stream_dir = record_stream(model, cache, batches, tmp_path / "hosted")
+    python_host_tokens = cache.manager.stats()["tokens_reused_host"]
+    assert python_host_tokens > 0  # the scenario does reach the host tier
+    res = run_runner(package, stream_dir, runner=runner)
+    assert res.returncode == 0, res.stderr
+    r = res.report
+    assert r["ok"] is True and r["max_abs_diff"] <= 1e-5 and r["host_slots"] == 64
+    assert r["inputs_compared"] == r["inputs_equal"] == len(visits)
+    assert r["cached_lengths_equal_batches"] == len(visits)
+    assert r["host_hit_tokens"] == python_host_tokens and r["host_pages_written"] > 0
+
+
 def _corrupt(src, dst, name, fn):
     shutil.copytree(src, dst)
     path = dst / name

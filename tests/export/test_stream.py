@@ -59,8 +59,13 @@ def test_stream_errors(tmp_path):
     g = torch.Generator().manual_seed(1)
     users = [User(u, g) for u in range(2)]
     batches = (_batches(users, [(5, 1)]))
-    with pytest.raises(ValueError, match="device-only cache"):
-        record_stream(model, tiny_cache(model, backend="native"), batches, tmp_path / "a")
+    with pytest.raises(ValueError, match="no SSD or remote tier"):
+        record_stream(model, tiny_cache(model, backend="flexkv"), batches, tmp_path / "a")
+    # the host tier: its size goes in the header (the runner keeps one as big)
+    hosted = read_stream(record_stream(model, tiny_cache(model, backend="native", host_pages=12), batches,
+                                       tmp_path / "h"))
+    assert hosted.header["host_slots"] == 12 and "host_slots" not in read_stream(
+        record_stream(model, tiny_cache(model, backend="gpu"), batches, tmp_path / "g")).header
     # a batch that does not fit is recorded as a full pass: nothing cached, full recomputation's scores
     small = read_stream(record_stream(model, tiny_cache(model, backend="gpu", num_pages=2), batches, tmp_path / "b"))
     assert int(small.arrays["cached_lengths"].sum()) == 0
