@@ -217,9 +217,9 @@ class StaticStep:
 
     def load(self, plan) -> None:
         meta = plan.metadata
-        if meta.buffer.numel() != self.size or meta.num_new_tokens != self.num_new:
-            raise ValueError(f"plan metadata of {meta.buffer.numel()} ints / {meta.num_new_tokens} new tokens, "
-                             f"the static step holds {self.size} / {self.num_new}")
+        if meta.field_offsets != self.offsets or meta.num_new_tokens != self.num_new:
+            raise ValueError(f"plan metadata laid out as {meta.field_offsets} with {meta.num_new_tokens} new tokens, "
+                             f"the static step holds {self.offsets} / {self.num_new}")
         self.staged.synchronize()  # the previous load's copy may still read the staging buffer
         st, hb = self.staging.numpy(), plan.host_metadata.numpy()
         st[: self.size] = hb

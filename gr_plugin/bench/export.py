@@ -155,12 +155,20 @@ def run(batch: int = 8, history_len: int = 256, new_events: int = 8, candidates:
         warmup: int = 3, page_size: int = 16, model: dict | None = None,
         cpp_runner: bool = True, device: str = "cpu") -> list[dict[str, Any]]:
     """Rows for the ``hit`` and ``miss`` scenarios: eager, package and (``cpp_runner``: built here with
-    CMake; CPU only) the C++ runner. ``model``: `HSTUConfig` overrides (default ``hstu_small``'s shape,
+    CMake) the C++ runner, on ``device``. ``model``: `HSTUConfig` overrides (default ``hstu_small``'s shape,
     dropout off)."""
     torch.manual_seed(0)
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on the GPU too: compared with the CPU's scores
+    try:
+        return _run(batch, history_len, new_events, candidates, steps, warmup, page_size, model, cpp_runner, dev)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _run(batch: int, history_len: int, new_events: int, candidates: int, steps: int, warmup: int, page_size: int,
+         model: dict | None, cpp_runner: bool, dev: torch.device) -> list[dict[str, Any]]:
     cfg = HSTUConfig(**{"num_items": 3706, "num_time_buckets": 32, "embedding_dim": 64, "num_layers": 2,
                         "num_heads": 2, "head_dim": 32, "n_norm": 512.0, **(model or {})})
     net = HSTURanker(cfg).eval()

@@ -38,6 +38,7 @@ class HostTier(KVBackend):
         self._table: torch.Tensor | None = None
         self._core: torch.ScriptObject | None = None
         self._num_slots = 0
+        self._counter_base = [0] * len(_COUNTERS)  # counters of cores replaced by bind()
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._caller_digests = False
@@ -67,6 +68,8 @@ class HostTier(KVBackend):
         else:
             self._table = torch.empty(shape, dtype=config.torch_dtype, pin_memory=pin)
         load_core()
+        if self._core is not None:
+            self._counter_base = [a + b for a, b in zip(self._counter_base, self._core.counters())]
         self._core = torch.classes.gr_kv_core.HostCore(num_slots, config.page_size)
         self._caller_digests = not torch.ops.gr_kv_core.hashing_available()
         self._num_slots = num_slots
@@ -78,9 +81,10 @@ class HostTier(KVBackend):
 
     @property
     def num_free_slots(self) -> int:
-        return self._core.num_free()
+        return 0 if self._core is None else self._core.num_free()
 
     def _ns(self, key: Key) -> int:
+        """The core's id of ``key``'s namespace, registered on first write."""
         ns = self._ns_ids.get(key[0])
         if ns is None:
             ns = self._ns_ids[key[0]] = len(self._ns_names)
@@ -91,14 +95,20 @@ class HostTier(KVBackend):
     def match(
         self, key: Key, tokens: torch.Tensor, start: int, length: int, seed: int, min_pages: int = 0
     ) -> dict[str, int]:
+        ns = self._ns_ids.get(key[0])
+        if ns is None:
+            return {"host": 0}
         digests = None
         if self._caller_digests:
+            if len(self._core.slots_of(ns, key[1])) <= min_pages:
+                return {"host": 0}  # (the core's own early exit, before hashing the history here)
             digests = to_pairs(page_digests(tokens, start, length, self.config.page_size, seed))
-        pages = self._core.match(self._ns(key), key[1], tokens, start, length, as_int64(seed), min_pages, digests)
+        pages = self._core.match(ns, key[1], tokens, start, length, as_int64(seed), min_pages, digests)
         return {"host": pages}
 
     def version(self, key: Key) -> int:
-        return self._core.version(self._ns(key), key[1])
+        ns = self._ns_ids.get(key[0])
+        return -1 if ns is None else self._core.version(ns, key[1])
 
     def acquire(self, key: Key, first_page: int, num_pages: int) -> torch.Tensor | None:
         ok, slots = self._core.acquire(self._ns(key), key[1], first_page, num_pages)
@@ -109,15 +119,22 @@ class HostTier(KVBackend):
 
     # ----------------------------------------------------------------- writing
     def stored_pages(self, key: Key, page_hashes: list[int]) -> int:
-        return self._core.stored_pages(self._ns(key), key[1], to_pairs(page_hashes))
+        ns = self._ns_ids.get(key[0])
+        return 0 if ns is None else self._core.stored_pages(ns, key[1], to_pairs(page_hashes))
 
     def reserve(self, key: Key, first_page: int, page_hashes: list[int]) -> torch.Tensor | None:
         ok, slots, dropped, dropped_slots, dropped_hashes = self._core.reserve(
             self._ns(key), key[1], first_page, to_pairs(page_hashes))
         # NOTE: the dropped users' slots may already be in this reservation; their bytes stay put
-        # until the caller copies into it, so the hook reads them now.
+        # until the caller copies into it, so the hook reads them now. The drop and the reservation
+        # have happened: a failing hook (a spill to a lower tier) is logged, never undoes them.
         for i, (slots_i, hashes_i) in enumerate(zip(dropped_slots, dropped_hashes)):
-            self._on_drop((self._ns_names[dropped[2 * i]], dropped[2 * i + 1]), slots_i.tolist(), from_pairs(hashes_i))
+            dropped_key = (self._ns_names[dropped[2 * i]], dropped[2 * i + 1])
+            try:
+                self._on_drop(dropped_key, slots_i.tolist(), from_pairs(hashes_i))
+            except Exception:
+                logger.warning("spilling host pages of user %s failed; they are dropped", dropped_key[1],
+                               exc_info=True)
         return slots if ok else None
 
     def publish(self, key: Key, slots: torch.Tensor, ok: bool, num_ok: int | None = None,
@@ -141,7 +158,9 @@ class HostTier(KVBackend):
 
     # ----------------------------------------------------------------- eviction
     def evict(self, key: Key) -> None:
-        self._core.evict(self._ns(key), key[1])
+        ns = self._ns_ids.get(key[0])
+        if ns is not None:
+            self._core.evict(ns, key[1])
 
     def clear(self) -> None:
         self._core.clear()
@@ -152,11 +171,13 @@ class HostTier(KVBackend):
         return [(self._ns_names[n], u) for n, u in zip(ns, users)]
 
     def pages_of(self, key: Key) -> list[int]:
-        return self._core.slots_of(self._ns(key), key[1])
+        ns = self._ns_ids.get(key[0])
+        return [] if ns is None else self._core.slots_of(ns, key[1])
 
     def stats(self) -> dict[str, Any]:
         used = self._num_slots - self._core.num_free()
-        return {**dict(zip(_COUNTERS, self._core.counters())), "host_users": self._core.num_users(),
+        counters = [a + b for a, b in zip(self._counter_base, self._core.counters())]
+        return {**dict(zip(_COUNTERS, counters)), "host_users": self._core.num_users(),
                 "host_slots": self._num_slots, "host_slots_used": used}
 
     def check(self) -> None:

@@ -154,6 +154,9 @@ def record_stream(model: HSTURanker, cache: KVCacheModule, batches: Iterable[Str
     if backend is not None and type(backend) is not HostTier:
         raise ValueError(f"record the stream with a device-only cache (backend 'gpu') or the host tier ('native'), "
                          f"got {type(backend).__name__}: the C++ runner has no SSD or remote tier")
+    if backend is not None and not cache.manager.write_through:
+        raise ValueError("record the stream with write_through=True: the C++ runner's host tier writes "
+                         "every committed full page through")
     if cfg.torch_device.type != "cpu" or cfg.dtype != "float32":
         raise ValueError(f"streams are recorded on the CPU in float32, got {cfg.device} {cfg.dtype}")
     if not re.fullmatch(r"[A-Za-z0-9_.:/-]+", cfg.namespace):

@@ -60,6 +60,8 @@ def test_double_free_and_out_of_range_raise():
         a.free([got[0]])
     with pytest.raises(RuntimeError, match="out of range"):
         a.free([7])
+    with pytest.raises(RuntimeError, match="out of range"):
+        a.free([2**63 - 1])  # start + n would overflow
     b = a.alloc(3)
     with pytest.raises(RuntimeError, match="freed twice"):
         a.free([b[0], 3])  # slot 3 is free: nothing of the call is freed

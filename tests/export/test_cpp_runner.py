@@ -101,16 +101,19 @@ def test_runner_without_hits(exported, runner):
     assert res.report["inputs_compared"] == 0  # Python's inputs were recorded with hits
 
 
-def test_runner_with_a_host_tier_reuses_what_python_did(exported, runner, tmp_path):
-    """A device cache of 24 pages and a pinned host tier: users evicted from the device come back and
-    are onboarded from the host tier, in Python (recording) and in the runner (HostCore both)."""
+@pytest.mark.parametrize("device_pages, host_pages", [(24, 64), (12, 7)])
+def test_runner_with_a_host_tier_reuses_what_python_did(exported, runner, tmp_path, device_pages, host_pages):
+    """A small device cache and a pinned host tier: users evicted from the device come back and are
+    onboarded from the host tier, in Python (recording) and in the runner (HostCore both). With 7
+    host pages a batch's write-through competes for slots: every user's reservation comes before any
+    publish, so a later user's reserve fails rather than dropping an earlier user of the batch."""
     model, package, _, _ = exported
     g = torch.Generator().manual_seed(11)
     users = [User(u, g) for u in range(6)]
     for u in users:
         u.grow(12 + 2 * u.uid)
     visits = [((0, 1), 0), ((2, 3), 0), ((4, 5), 0), ((0, 1), 2), ((2, 3), 0), ((4, 5), 3), ((0, 2), 1),
-              ((1, 3, 5), 2)]
+              ((1, 3, 5), 2), ((1, 3), 1), ((5, 0), 1)]
     batches = []
     for uids, grow in visits:
         sel = [users[u] for u in uids]
@@ -118,14 +121,17 @@ def test_runner_with_a_host_tier_reuses_what_python_did(exported, runner, tmp_pa
             u.grow(grow)
         history, candidates, _, _ = make_inputs(sel, [u.candidates(2) for u in sel])
         batches.append(StreamBatch(list(uids), history, candidates))
-    cache = tiny_cache(model, backend="native", num_pages=24, page_size=4, host_pages=64)
+    cache = tiny_cache(model, backend="native", num_pages=device_pages, page_size=4, host_pages=host_pages)
     stream_dir = record_stream(model, cache, batches, tmp_path / "hosted")
-    python_host_tokens = cache.manager.stats()["tokens_reused_host"]
+    stats = cache.manager.stats()
+    python_host_tokens = stats["tokens_reused_host"]
     assert python_host_tokens > 0  # the scenario does reach the host tier
+    if host_pages == 7:
+        assert stats["host_reserve_failed"] > 0 and stats["host_evicted_users"] > 0
     res = run_runner(package, stream_dir, runner=runner)
     assert res.returncode == 0, res.stderr
     r = res.report
-    assert r["ok"] is True and r["max_abs_diff"] <= 1e-5 and r["host_slots"] == 64
+    assert r["ok"] is True and r["max_abs_diff"] <= 1e-5 and r["host_slots"] == host_pages
     assert r["inputs_compared"] == r["inputs_equal"] == len(visits)
     assert r["cached_lengths_equal_batches"] == len(visits)
     assert r["host_hit_tokens"] == python_host_tokens and r["host_pages_written"] > 0
@@ -177,6 +183,9 @@ def test_runner_reports_a_missing_package_or_ops_library(exported, runner, tmp_p
     proc = subprocess.run([str(runner), "--package", "x.pt2", "--stream", str(stream_dir), "--ops", "x.so",
                            "--device", "tpu:x"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--device must be cpu or cuda[:N], got 'tpu:x'" in proc.stderr
+    proc = subprocess.run([str(runner), "--package", "x.pt2", "--stream", str(stream_dir), "--ops", "x.so",
+                           "--device", "meta"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--device must be cpu or cuda[:N], got 'meta'" in proc.stderr
     if not torch.cuda.is_available():
         res = run_runner(tmp_path / "none.pt2", stream_dir, runner=runner, device="cuda")
         assert res.returncode == 2 and "this libtorch has no CUDA" in res.stderr, res.stderr

@@ -64,6 +64,10 @@ def test_stream_errors(tmp_path):
     # the host tier: its size goes in the header (the runner keeps one as big)
     hosted = read_stream(record_stream(model, tiny_cache(model, backend="native", host_pages=12), batches,
                                        tmp_path / "h"))
+    with pytest.raises(ValueError, match="write_through=True"):
+        cache = tiny_cache(model, backend="native")
+        cache.manager.write_through = False
+        record_stream(model, cache, batches, tmp_path / "w")
     assert hosted.header["host_slots"] == 12 and "host_slots" not in read_stream(
         record_stream(model, tiny_cache(model, backend="gpu"), batches, tmp_path / "g")).header
     # a batch that does not fit is recorded as a full pass: nothing cached, full recomputation's scores

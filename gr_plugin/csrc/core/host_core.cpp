@@ -57,7 +57,7 @@ bool ExtentAllocator::alloc(int64_t n, std::vector<int64_t>* out) {
 }
 
 void ExtentAllocator::check_free(int64_t start, int64_t n) const {
-  if (start < 0 || start + n > num_slots_) {
+  if (start < 0 || n < 0 || start > num_slots_ - n) {  // NOTE: not start + n: it can overflow
     throw std::logic_error("host slots " + str(start) + ".." + str(start + n) + " out of range");
   }
   auto next = runs_.lower_bound(start);
@@ -153,7 +153,9 @@ bool HostCore::acquire(int32_t ns, int64_t user, int64_t first, int64_t n, std::
     throw std::invalid_argument("acquire of pages [" + str(first) + ", " + str(first + n) + ") for user " + str(user));
   }
   auto it = index_.find(Key{ns, user});
-  if (it == index_.end() || first + n > static_cast<int64_t>(it->second->slots.size())) return false;
+  if (it == index_.end()) return false;
+  const int64_t held = static_cast<int64_t>(it->second->slots.size());
+  if (first > held || n > held - first) return false;  // NOTE: not first + n: it can overflow
   Entry& e = *it->second;
   e.pins += 1;
   touch(it->second);

@@ -58,6 +58,14 @@ int64_t HostTier::onboard(const gr_kv_core::AllocResult& plan, const std::vector
 
 void HostTier::write_through(const gr_kv_core::CacheCore& core, const std::vector<int64_t>& users,
                              const at::Tensor& kv_table) {
+  // NOTE: as the Python manager's offload: every user's reservation first (a pending reservation
+  // keeps its user from being evicted by the next one's), then one copy, then the publishes in order.
+  struct Pending {
+    int64_t user, count;
+    std::vector<int64_t> slots;
+  };
+  std::vector<Pending> pending;
+  std::vector<int64_t> src, dst;
   for (int64_t user : users) {
     const auto entry = core.entry(core.current_namespace(), user);
     if (!entry.exists) continue;
@@ -65,14 +73,19 @@ void HostTier::write_through(const gr_kv_core::CacheCore& core, const std::vecto
     const gr_kv_core::Digest* hashes = entry.page_hashes->data();
     const int64_t have = host_.stored_pages(kNamespace, user, hashes, full);
     if (have >= full) continue;
-    std::vector<int64_t> slots;
+    Pending p{user, full - have, {}};
     std::vector<gr_kv_core::HostCore::Dropped> dropped;
-    if (!host_.reserve(kNamespace, user, have, hashes + have, full - have, &slots, &dropped)) continue;
-    const std::vector<int64_t> pages(entry.pages->begin() + have, entry.pages->begin() + full);
-    table_.index_copy_(1, longs(slots), kv_table.index_select(1, longs(pages).to(kv_table.device())).cpu());
+    if (!host_.reserve(kNamespace, user, have, hashes + have, full - have, &p.slots, &dropped)) continue;
+    src.insert(src.end(), entry.pages->begin() + have, entry.pages->begin() + full);
+    dst.insert(dst.end(), p.slots.begin(), p.slots.end());
+    pending.push_back(std::move(p));
+  }
+  if (pending.empty()) return;
+  table_.index_copy_(1, longs(dst), kv_table.index_select(1, longs(src).to(kv_table.device())).cpu());
+  for (const Pending& p : pending) {
     std::vector<gr_kv_core::Digest> published;
-    host_.publish(kNamespace, user, slots, full - have, &published);
-    pages_written_ += full - have;
+    host_.publish(kNamespace, p.user, p.slots, p.count, &published);
+    pages_written_ += p.count;
   }
 }
 

@@ -85,11 +85,13 @@ Options parse(int argc, char** argv) {
   if (o.mode != "hit" && o.mode != "miss") throw UsageError("--mode must be hit or miss, got '" + o.mode + "'");
   if (!(o.tolerance >= 0)) throw UsageError("--tolerance must be >= 0");
   if (o.warmup < 0) throw UsageError("--warmup must be >= 0, got " + std::to_string(o.warmup));
+  bool device_ok = false;
   try {
-    (void)c10::Device(o.device);
+    const c10::Device d(o.device);
+    device_ok = d.is_cpu() || d.is_cuda();
   } catch (const c10::Error&) {
-    throw UsageError("--device must be cpu or cuda[:N], got '" + o.device + "'");
   }
+  if (!device_ok) throw UsageError("--device must be cpu or cuda[:N], got '" + o.device + "'");
   if (o.ops.empty()) {
     const char* env = std::getenv("GR_KV_OPS_LIB");
     if (env == nullptr || *env == '\0') {

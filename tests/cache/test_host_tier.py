@@ -1,0 +1,76 @@
+"""The pinned host tier's Python layer over the C++ ``HostCore`` (its policy is exercised end to end
+by test_manager / test_properties / test_tiered): hooks, bounds, counters across a rebind."""
+
+import pytest
+import torch
+
+from gr_plugin.cache import HostTier, KVCacheConfig
+from gr_plugin.cache.hashing import to_pairs
+
+
+def _tier(slots: int = 4, cls=HostTier) -> HostTier:
+    cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=4, page_size=2, num_pages=8, device="cpu")
+    cfg.host_cache_bytes = slots * cfg.page_bytes
+    tier = cls(pin_memory=False)
+    tier.bind(cfg)
+    return tier
+
+
+def _store(tier: HostTier, user: int, hashes: list[int]) -> torch.Tensor:
+    slots = tier.reserve(("ns", user), 0, hashes)
+    tier.publish(("ns", user), slots, True)
+    return slots
+
+
+def test_a_failing_drop_hook_keeps_the_reservation_and_the_accounting():
+    class Spilling(HostTier):
+        def _on_drop(self, key, slots, hashes):
+            raise OSError("disk full")
+
+    tier = _tier(4, Spilling)
+    _store(tier, 1, [11, 12, 13])
+    slots = tier.reserve(("ns", 2), 0, [21, 22])  # drops user 1 (LRU); its spill fails
+    assert slots is not None and tier.pages_of(("ns", 1)) == []
+    tier.publish(("ns", 2), slots, True)
+    tier.check()
+    assert tier.pages_of(("ns", 2)) == slots.tolist() and tier.stats()["host_evicted_users"] == 1
+    tier.evict(("ns", 2))  # not stuck busy
+    assert tier.num_free_slots == 4
+
+
+def test_unknown_keys_read_as_empty_and_register_nothing():
+    tier = _tier()
+    tokens = torch.arange(8, dtype=torch.int64)
+    key = ("other", 5)
+    assert tier.match(key, tokens, 0, 8, 7) == {"host": 0} and tier.version(key) == -1
+    assert tier.pages_of(key) == [] and tier.stored_pages(key, [1, 2]) == 0
+    tier.evict(key)
+    assert tier._ns_ids == {}
+
+
+def test_acquire_out_of_range_is_a_miss_not_a_pin():
+    tier = _tier()
+    _store(tier, 1, [11, 12])
+    assert tier.acquire(("ns", 1), 2**62, 2**62) is None and tier.acquire(("ns", 1), 1, 2) is None
+    assert tier.stats()["host_pages_read"] == 0
+    tier.evict(("ns", 1))  # no pin was taken
+
+
+def test_counters_survive_a_rebind_that_replaces_storage():
+    tier = _tier(4)
+    _store(tier, 1, [11, 12])
+    tier.evict(("ns", 1))
+    written = tier.stats()["host_pages_written"]
+    cfg = KVCacheConfig(num_layers=1, num_heads=1, head_dim=4, page_size=2, num_pages=8, device="cpu")
+    cfg.host_cache_bytes = 6 * cfg.page_bytes
+    tier.bind(cfg)  # a new table and core (it was empty)
+    assert tier.stats()["host_pages_written"] == written == 2 and tier.stats()["host_slots"] == 6
+
+
+def test_core_rejects_bad_hash_shapes():
+    tier = _tier()
+    with pytest.raises(ValueError, match=r"hashes must have shape \[n, 2\]"):
+        tier._core.reserve(0, 1, 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="must be a contiguous int64 CPU tensor"):
+        tier._core.stored_pages(0, 1, to_pairs([1, 2]).float())
+    assert tier.stats()["host_reserve_failed"] == 0 and tier.num_free_slots == 4
