@@ -7,8 +7,9 @@ tier of the ``native`` option, the tiered host/SSD/remote store of ``flexkv``). 
 copies to and from. The manager calls every method while holding its lock; a backend does its own
 locking only for work it runs on other threads.
 
-Life of a page in a backend: ``reserve`` (slots taken, not readable) → the manager copies device
-pages into ``host_table[:, slots]`` → ``publish`` (readable; ``ok=False`` releases the slots).
+Life of a page in a backend: ``reserve_write_through`` after a commit (slots taken, not readable) →
+the manager copies device pages into ``host_table[:, slots]`` → ``publish`` (readable; ``ok=False``
+releases the slots).
 Reading: ``match`` (how many pages of a request's prefix are held) → ``acquire`` (slots, pinned
 against eviction) → the manager copies them to the device → ``release``.
 """
@@ -66,8 +67,12 @@ class KVBackend(ABC):
     def release(self, key: Key) -> None: ...
 
     @abstractmethod
-    def stored_pages(self, key: Key, page_hashes: list[int]) -> int:
-        """Length of the prefix of ``page_hashes`` already stored or being stored for ``key``."""
+    def reserve_write_through(self, core: torch.ScriptObject, core_ns: int,
+                              keys: list[Key]) -> tuple[list[tuple[Key, int, torch.Tensor, torch.Tensor]], int]:
+        """After a commit: reservations for the full pages of these users' device entries (the C++
+        ``CacheCore`` ``core``, namespace id ``core_ns``) not stored or being stored yet, every
+        reservation before any publish. Returns ``(key, first page, device pages, slots)`` per
+        reservation (the manager copies, then ``publish``es each) and how many could not be had."""
 
     @abstractmethod
     def reserve(self, key: Key, first_page: int, page_hashes: list[int]) -> torch.Tensor | None:

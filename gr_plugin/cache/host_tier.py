@@ -125,7 +125,27 @@ class HostTier(KVBackend):
     def reserve(self, key: Key, first_page: int, page_hashes: list[int]) -> torch.Tensor | None:
         ok, slots, dropped, dropped_slots, dropped_hashes = self._core.reserve(
             self._ns(key), key[1], first_page, to_pairs(page_hashes))
-        # NOTE: the dropped users' slots may already be in this reservation; their bytes stay put
+        self._dropped(dropped, dropped_slots, dropped_hashes)
+        return slots if ok else None
+
+    def reserve_write_through(self, core: torch.ScriptObject, core_ns: int,
+                              keys: list[Key]) -> tuple[list[tuple[Key, int, torch.Tensor, torch.Tensor]], int]:
+        """Reservations for the full pages of these users' device entries (``core``, a C++
+        ``CacheCore``; namespace id ``core_ns``; ``keys`` of one namespace) that this tier does not
+        hold yet, every reservation before any publish (``HostCore.reserve_write_through``, the
+        C++ runner's too). Returns ``(key, first page, device pages, slots)`` per reservation and
+        how many could not be had."""
+        if not keys:
+            return [], 0
+        name = keys[0][0]
+        users, firsts, pages, slots, dropped, dropped_slots, dropped_hashes, failed = (
+            self._core.reserve_write_through(self._ns(keys[0]), core, core_ns, [k[1] for k in keys]))
+        self._dropped(dropped, dropped_slots, dropped_hashes)
+        return [((name, u), f, p, s) for u, f, p, s in zip(users, firsts, pages, slots)], failed
+
+    def _dropped(self, dropped: list[int], dropped_slots: list[torch.Tensor],
+                 dropped_hashes: list[torch.Tensor]) -> None:
+        # NOTE: the dropped users' slots may already be in a new reservation; their bytes stay put
         # until the caller copies into it, so the hook reads them now. The drop and the reservation
         # have happened: a failing hook (a spill to a lower tier) is logged, never undoes them.
         for i, (slots_i, hashes_i) in enumerate(zip(dropped_slots, dropped_hashes)):
@@ -135,7 +155,6 @@ class HostTier(KVBackend):
             except Exception:
                 logger.warning("spilling host pages of user %s failed; they are dropped", dropped_key[1],
                                exc_info=True)
-        return slots if ok else None
 
     def publish(self, key: Key, slots: torch.Tensor, ok: bool, num_ok: int | None = None,
                 *, from_lower_tier: bool = False) -> None:

@@ -505,37 +505,27 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ offload
     def _offload(self, keys: Sequence[Key]) -> None:
-        """Write newly completed full pages of ``keys`` through to the backend (one copy)."""
-        P = self.config.page_size
-        src: list[int] = []
-        slots_all: list[torch.Tensor] = []
+        """Write newly completed full pages of ``keys`` (one namespace) through to the backend (one copy)."""
+        if not keys:
+            return
+        ns = self._ns_ids[keys[0][0]]
+        # NOTE: which pages, and the reservations (all before any publish), are the C++ host tier's
+        # policy (HostCore.reserve_write_through), the one the C++ runner runs too.
+        reserved, failed = self.backend.reserve_write_through(self._core, ns, list(keys))
+        self._stats.offload_skipped += failed
+        if not reserved:
+            return
+        src = torch.cat([pages for _, _, pages, _ in reserved])
         items: list[tuple[Key, torch.Tensor | None]] = []
-        for key in keys:
-            ns = self._ns_ids[key[0]]
-            info, pages, hashes = self._core.entry(ns, key[1])
-            if info[0] < 0:
-                continue
-            full = info[0] // P
-            page_hashes = from_pairs(hashes)  # one per full page
-            have = self.backend.stored_pages(key, page_hashes)
-            if have >= full:
-                continue
-            slots = self.backend.reserve(key, have, page_hashes[have:full])
-            if slots is None:
-                self._stats.offload_skipped += 1
-                continue
-            src.extend(pages[have:full].tolist())
-            slots_all.append(slots)
+        for key, _, _, slots in reserved:
             items.append((key, slots))
             self._core.add_offload(ns, key[1])
-        if not items:
-            return
-        self._pool.add_readers(src)
-        handle = self.transfer.copy(self.kv_table, torch.tensor(src, dtype=torch.int64),
-                                    self.backend.host_table, torch.cat(slots_all))
-        self._jobs.append(_CopyJob(handle, "offload", items, src))
-        self._stats.offload_pages += len(src)
-        self._stats.offload_bytes += len(src) * self.config.page_bytes
+        src_list = src.tolist()
+        self._pool.add_readers(src_list)
+        handle = self.transfer.copy(self.kv_table, src, self.backend.host_table, torch.cat([s for *_, s in reserved]))
+        self._jobs.append(_CopyJob(handle, "offload", items, src_list))
+        self._stats.offload_pages += len(src_list)
+        self._stats.offload_bytes += len(src_list) * self.config.page_bytes
 
     def offload_launch(self, user_ids: Sequence[int]) -> None:
         """Write the committed full pages of these users through to the backend now."""

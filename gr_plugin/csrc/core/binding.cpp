@@ -429,6 +429,32 @@ TORCH_LIBRARY(gr_kv_core, m) {
              });
            })
       .def("reserve", host_reserve)
+      // reserve_write_through -> (users, first pages, device pages per user, slots per user,
+      //                           dropped (ns, user) pairs flattened, their slots, their hashes [n, 2], failed)
+      .def("reserve_write_through",
+           [](const Host& s, int64_t ns, const Core& core, int64_t core_ns, std::vector<int64_t> users) {
+             return guarded([&] {
+               std::vector<HostCore::Dropped> dropped;
+               int64_t failed = 0;
+               auto items = s->core.reserve_write_through(ns_id(ns), core->core, ns_id(core_ns), users, &dropped,
+                                                          &failed);
+               std::vector<int64_t> who, first, keys;
+               std::vector<at::Tensor> pages, slots, dslots, dhashes;
+               for (const auto& w : items) {
+                 who.push_back(w.user);
+                 first.push_back(w.first);
+                 pages.push_back(to_tensor(w.pages));
+                 slots.push_back(to_tensor(w.slots));
+               }
+               for (const auto& x : dropped) {
+                 keys.push_back(x.ns);
+                 keys.push_back(x.user);
+                 dslots.push_back(to_tensor(x.slots));
+                 dhashes.push_back(digests_to_tensor(x.hashes));
+               }
+               return std::make_tuple(who, first, pages, slots, keys, dslots, dhashes, failed);
+             });
+           })
       // publish -> (first page published, published hashes [good, 2])
       .def("publish",
            [](const Host& s, int64_t ns, int64_t user, std::vector<int64_t> slots, int64_t num_ok) {

@@ -282,6 +282,33 @@ int64_t HostCore::publish(int32_t ns, int64_t user, const std::vector<int64_t>& 
   return first;
 }
 
+std::vector<HostCore::WriteThrough> HostCore::reserve_write_through(int32_t ns, const CacheCore& core,
+                                                                   int32_t core_ns, const std::vector<int64_t>& users,
+                                                                   std::vector<Dropped>* dropped, int64_t* failed) {
+  std::vector<WriteThrough> out;
+  for (int64_t user : users) {
+    const CacheCore::EntryView entry = core.entry(core_ns, user);
+    if (!entry.exists) continue;
+    const int64_t full = entry.num_tokens / page_size_;
+    if (static_cast<int64_t>(entry.page_hashes->size()) < full || static_cast<int64_t>(entry.pages->size()) < full) {
+      throw std::logic_error("device entry of user " + str(user) + " has fewer page hashes than full pages");
+    }
+    const Digest* hashes = entry.page_hashes->data();
+    const int64_t have = stored_pages(ns, user, hashes, full);
+    if (have >= full) continue;
+    WriteThrough w;
+    if (!reserve(ns, user, have, hashes + have, full - have, &w.slots, dropped)) {
+      if (failed != nullptr) *failed += 1;
+      continue;
+    }
+    w.user = user;
+    w.first = have;
+    w.pages.assign(entry.pages->begin() + have, entry.pages->begin() + full);
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
 void HostCore::evict(int32_t ns, int64_t user) {
   auto it = index_.find(Key{ns, user});
   if (it == index_.end()) return;

@@ -334,6 +334,19 @@ class HostCore {
   // Returns the first page published; `published` gets the published pages' hashes.
   int64_t publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
                   std::vector<Digest>* published);
+  // Write-through after a commit (the Python manager's offload and the C++ runner's): for each user
+  // in order, the full pages of its device entry in `core` (namespace `core_ns`) that the host tier
+  // does not hold yet get a reservation here (namespace `ns`). Every reservation comes before any
+  // publish, so a pending one keeps its user from being dropped by the next user's. A user without
+  // an entry or with nothing new is skipped; a reservation that cannot be had counts in `failed`.
+  // The caller copies device `pages` into `slots`, then publishes each in order.
+  struct WriteThrough {
+    int64_t user = 0, first = 0;  // pages first .. first + pages.size() of the user's history
+    std::vector<int64_t> pages, slots;
+  };
+  std::vector<WriteThrough> reserve_write_through(int32_t ns, const CacheCore& core, int32_t core_ns,
+                                                  const std::vector<int64_t>& users, std::vector<Dropped>* dropped,
+                                                  int64_t* failed);
   void evict(int32_t ns, int64_t user);  // throws (nothing changed) while pinned or reserved
   void clear();                          // throws (nothing changed) while any user is busy
 

@@ -58,34 +58,21 @@ int64_t HostTier::onboard(const gr_kv_core::AllocResult& plan, const std::vector
 
 void HostTier::write_through(const gr_kv_core::CacheCore& core, const std::vector<int64_t>& users,
                              const at::Tensor& kv_table) {
-  // NOTE: as the Python manager's offload: every user's reservation first (a pending reservation
-  // keeps its user from being evicted by the next one's), then one copy, then the publishes in order.
-  struct Pending {
-    int64_t user, count;
-    std::vector<int64_t> slots;
-  };
-  std::vector<Pending> pending;
+  // The reservations (HostCore::reserve_write_through, the policy the Python manager's offload runs
+  // too), one copy, then the publishes in order.
+  std::vector<gr_kv_core::HostCore::Dropped> dropped;
+  const auto items = host_.reserve_write_through(kNamespace, core, core.current_namespace(), users, &dropped, nullptr);
+  if (items.empty()) return;
   std::vector<int64_t> src, dst;
-  for (int64_t user : users) {
-    const auto entry = core.entry(core.current_namespace(), user);
-    if (!entry.exists) continue;
-    const int64_t full = entry.num_tokens / page_size_;
-    const gr_kv_core::Digest* hashes = entry.page_hashes->data();
-    const int64_t have = host_.stored_pages(kNamespace, user, hashes, full);
-    if (have >= full) continue;
-    Pending p{user, full - have, {}};
-    std::vector<gr_kv_core::HostCore::Dropped> dropped;
-    if (!host_.reserve(kNamespace, user, have, hashes + have, full - have, &p.slots, &dropped)) continue;
-    src.insert(src.end(), entry.pages->begin() + have, entry.pages->begin() + full);
-    dst.insert(dst.end(), p.slots.begin(), p.slots.end());
-    pending.push_back(std::move(p));
+  for (const auto& w : items) {
+    src.insert(src.end(), w.pages.begin(), w.pages.end());
+    dst.insert(dst.end(), w.slots.begin(), w.slots.end());
   }
-  if (pending.empty()) return;
   table_.index_copy_(1, longs(dst), kv_table.index_select(1, longs(src).to(kv_table.device())).cpu());
-  for (const Pending& p : pending) {
+  for (const auto& w : items) {
     std::vector<gr_kv_core::Digest> published;
-    host_.publish(kNamespace, p.user, p.slots, p.count, &published);
-    pages_written_ += p.count;
+    host_.publish(kNamespace, w.user, w.slots, static_cast<int64_t>(w.slots.size()), &published);
+    pages_written_ += static_cast<int64_t>(w.slots.size());
   }
 }
 
