@@ -461,6 +461,11 @@ class KVCacheManager:
         """
         with self._lock:
             self._check_live(plan)
+            if plan.onboard_src and plan.onboard_handle is None:
+                # NOTE: its host-tier pages were never copied: the step read, and the entry would
+                # keep, pages that hold nothing of this user. Refused; abort the plan.
+                raise ValueError(f"plan {plan.plan_id} has host-tier pages that were never onboarded "
+                                 "(onboard_launch before the step); abort it")
             req = plan.request
             # NOTE: the core frees stale pages (zombies while a copy reads them), hashes the new
             # full pages with the entry's stream hasher and publishes the entries.

@@ -10,7 +10,13 @@ each cache lives in the C++ registry, addressed by a ``state`` tensor (int64 CPU
 - ``cache_allocate(state!, user_ids, history_lengths, tokens) -> (plan [6], kv_indices [M], kv_indptr [B+1],
   cached_lengths [B], new_token_slots [N])``; ``M`` and ``N`` are data-dependent.
 - ``cache_commit(state!, plan, history_lengths, tokens)``, ``cache_abort(state!, plan)``, ``cache_destroy(state!)``.
-Lower tiers (onboard/offload) are not reachable through these ops: that stays `KVCacheManager`'s.
+- The pinned host tier (the C++ ``HostCore``, the Python host tier's policy): ``cache_attach_host(state!,
+  num_slots)``; ``cache_allocate_tiered(state!, ...)`` -> ``cache_allocate``'s outputs + ``onboard_slots [K]``,
+  ``onboard_pages [K]`` (copy host slots -> device pages before the step; the host pages stay pinned until
+  commit/abort); ``cache_offload_launch(state!, user_ids) -> (ticket [1], src_pages [K], dst_slots [K])``
+  (the write-through of committed users: copy device pages -> host slots) and ``cache_offload_reap(state!,
+  ticket, ok)`` (publishes them, or gives them back). The bytes are the caller's: ``gr_kv::gather_pages`` /
+  ``scatter_pages`` move them between the two tables. SSD and remote tiers stay `KVCacheManager`'s.
 """
 
 from __future__ import annotations
@@ -59,4 +65,29 @@ def _(state, plan) -> None:
 
 @torch.library.register_fake("gr_kv::cache_destroy")
 def _(state) -> None:
+    return None
+
+
+@torch.library.register_fake("gr_kv::cache_attach_host")
+def _(state, num_slots) -> None:
+    return None
+
+
+@torch.library.register_fake("gr_kv::cache_allocate_tiered")
+def _(state, user_ids, history_lengths, tokens):
+    ctx = torch.library.get_ctx()
+    num_pages, num_new, num_onboard = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    B = user_ids.shape[0]
+    return (_index(len(PLAN_FIELDS)), _index(num_pages), _index(B + 1), _index(B), _index(num_new),
+            _index(num_onboard), _index(num_onboard))
+
+
+@torch.library.register_fake("gr_kv::cache_offload_launch")
+def _(state, user_ids):
+    num = torch.library.get_ctx().new_dynamic_size()
+    return _index(1), _index(num), _index(num)
+
+
+@torch.library.register_fake("gr_kv::cache_offload_reap")
+def _(state, ticket, ok) -> None:
     return None

@@ -160,6 +160,21 @@ def test_host_tier_round_trip_onboards_exact_bytes_layerwise():
     m.check()
 
 
+def test_a_plan_whose_host_pages_were_never_onboarded_cannot_be_committed():
+    m = make(num_pages=8, host_pages=16)
+    run_step(m, [1], [history_tokens(1, 15)])
+    m.offload_flush()
+    m.evict([1])
+    plan = m.allocate(m.lookup(CacheRequest([1], [18], history_tokens(1, 18))))
+    assert plan.onboard_tokens == [12]
+    with pytest.raises(ValueError, match=f"plan {plan.plan_id} has host-tier pages that were never onboarded"):
+        m.commit(plan)
+    m.abort(plan)  # still live: the refusal changed nothing; the abort gives the host pages back
+    assert m.cached_length(1) == 0 and m.backend.num_free_slots == 16 - 3
+    m.backend.evict(("test", 1))  # not pinned any more
+    m.check()
+
+
 def test_host_tier_with_device_prefix_onboards_only_the_missing_pages():
     m = make(num_pages=8, host_pages=16)
     run_step(m, [1], [history_tokens(1, 16)])

@@ -1,10 +1,13 @@
 // Tensor-only request-level cache ops in the gr_kv namespace: torch.ops.gr_kv.cache_{create, lookup,
-// allocate, commit, abort, destroy}, over a process-wide registry of CacheCore instances.
+// allocate, commit, abort, destroy} over a process-wide registry of CacheCore instances, and the
+// pinned host tier's ops cache_{attach_host, allocate_tiered, offload_launch, offload_reap} (a
+// HostCore next to the cache's CacheCore; the caller moves the bytes, e.g. with gr_kv::gather_pages /
+// scatter_pages).
 //
-// Owns the registry (handle -> core, one lock per core) and the tensor boundary: dtype, device, shape
-// and value checks, all before the core is touched, raising ValueError naming the value. The policy
-// is kv_core.h's; this file adds no lower tiers (host pages are always 0) and no caller digests (the
-// core must hash with libxxhash). Schemas are frozen once released: docs/EXPORT.md.
+// Owns the registry (handle -> cores, one lock per cache) and the tensor boundary: dtype, device, shape
+// and value checks, all before the cores are touched, raising ValueError naming the value. The policy
+// is kv_core.h's; no caller digests (the core must hash with libxxhash). Schemas are frozen once
+// released: docs/EXPORT.md.
 //
 // A cache is addressed by a `state` tensor, int64 CPU [2] = (handle, epoch): ops that change the
 // cache take it as `Tensor(a!)` and write the cache's new epoch into it, so traced graphs keep them
@@ -31,10 +34,17 @@ namespace {
 
 constexpr int64_t kPlanFields = 6;  // status, plan id, batch index, demand, evicted users, evicted pages
 
+constexpr int32_t kHostNamespace = 0;  // a cache has one namespace; its host tier keys users by it
+
 struct Slot {
   std::mutex mu;
   CacheCore core;
+  uint64_t seed = 0;  // the namespace's
   int64_t epoch = 0;
+  std::unique_ptr<HostCore> host;                                  // cache_attach_host
+  std::unordered_map<int64_t, std::vector<int64_t>> host_readers;  // plan id -> users whose host pages it pinned
+  std::unordered_map<int64_t, std::vector<HostCore::WriteThrough>> offloads;  // ticket -> reservations
+  int64_t next_ticket = 1;
   Slot(int64_t num_pages, int64_t page_size) : core(num_pages, page_size) {}
 };
 
@@ -127,7 +137,8 @@ at::Tensor cache_create(int64_t num_pages, int64_t page_size, std::string name) 
   TORCH_CHECK_VALUE(page_size > 0, "page_size must be > 0, got ", page_size);
   TORCH_CHECK_VALUE(!name.empty(), "namespace must be a non-empty string");
   auto slot = guarded([&] { return std::make_shared<Slot>(num_pages, page_size); });
-  guarded([&] { return slot->core.set_namespace(name, namespace_seed(name)); });
+  slot->seed = namespace_seed(name);
+  guarded([&] { return slot->core.set_namespace(name, slot->seed); });
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   const int64_t handle = r.next++;
@@ -150,8 +161,42 @@ at::Tensor cache_lookup(const at::Tensor& state, const at::Tensor& user_ids, con
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_allocate(
-    at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths, const at::Tensor& tokens) {
+using PlanTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// (plan [6], kv_indices [M], kv_indptr [B+1], cached_lengths [B], new_token_slots [N]) of an allocate.
+PlanTensors plan_tensors(const AllocResult& r, const std::vector<int64_t>& lengths, int64_t page_size) {
+  const int64_t B = static_cast<int64_t>(lengths.size());
+  const bool ok = r.status == AllocStatus::kOk;
+  at::Tensor plan = to_tensor({static_cast<int64_t>(r.status), ok ? r.plan_id : -1,
+                               r.status == AllocStatus::kInFlight ? r.index : -1, r.demand, r.evicted.users,
+                               r.evicted.pages});
+  if (!ok) {
+    at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor zeros_b1 = at::zeros({B + 1}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor zeros_b = at::zeros({B}, at::TensorOptions().dtype(at::kLong));
+    return std::make_tuple(plan, none, zeros_b1, zeros_b, none.clone());
+  }
+  // The packed buffer's fields (kMetadataFields order): kv_indptr [B+1], kv_last_page_len [B],
+  // cached_lengths [B], new_lengths [B], total_lengths [B], new_offsets [B+1], total_offsets [B+1],
+  // kv_indices [M], ...
+  const std::vector<int64_t>& buf = r.metadata.buffer;
+  const int64_t M = r.metadata.num_batch_pages, N = r.metadata.num_new_tokens, P = page_size;
+  const int64_t* indptr = buf.data();
+  const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
+  std::vector<int64_t> slots;
+  slots.reserve(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t pos = r.cached_lengths[b]; pos < lengths[b]; ++pos) {
+      slots.push_back(indices[indptr[b] + pos / P] * P + pos % P);
+    }
+  }
+  return std::make_tuple(plan, to_tensor(std::vector<int64_t>(indices, indices + M)),
+                         to_tensor(std::vector<int64_t>(indptr, indptr + B + 1)), to_tensor(r.cached_lengths),
+                         to_tensor(slots));
+}
+
+PlanTensors cache_allocate(at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths,
+                           const at::Tensor& tokens) {
   auto slot = slot_of(state);
   const std::vector<int64_t> users = request_users(user_ids);
   const int64_t B = static_cast<int64_t>(users.size());
@@ -165,34 +210,127 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_all
     for (int64_t b = 0; b < B; ++b) dev[b] = core.match(users[b], refs[b], &versions[b]);
     return core.allocate(users, lengths, dev, versions, std::vector<int64_t>(B, 0));
   });
-  const bool ok = r.status == AllocStatus::kOk;
-  at::Tensor plan = to_tensor({static_cast<int64_t>(r.status), ok ? r.plan_id : -1,
-                               r.status == AllocStatus::kInFlight ? r.index : -1, r.demand, r.evicted.users,
-                               r.evicted.pages});
-  if (!ok) {
-    at::Tensor none = at::empty({0}, at::TensorOptions().dtype(at::kLong));
-    at::Tensor zeros_b1 = at::zeros({B + 1}, at::TensorOptions().dtype(at::kLong));
-    at::Tensor zeros_b = at::zeros({B}, at::TensorOptions().dtype(at::kLong));
-    return std::make_tuple(plan, none, zeros_b1, zeros_b, none.clone());
-  }
+  if (r.status == AllocStatus::kOk) publish_epoch(*slot, state);
+  return plan_tensors(r, lengths, core.page_size());
+}
+
+// ------------------------------------------------------------------------------ the host tier
+void cache_attach_host(at::Tensor& state, int64_t num_slots) {
+  auto slot = slot_of(state);
+  TORCH_CHECK_VALUE(num_slots > 0, "num_slots must be > 0, got ", num_slots);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  TORCH_CHECK_VALUE(slot->host == nullptr, "the cache already has a host tier");
+  TORCH_CHECK_VALUE(slot->core.num_plans() == 0, slot->core.num_plans(),
+                    " steps are in flight; commit or abort them before attaching a host tier");
+  slot->host = guarded([&] { return std::make_unique<HostCore>(num_slots, slot->core.page_size()); });
   publish_epoch(*slot, state);
-  // The packed buffer's fields (kMetadataFields order): kv_indptr [B+1], kv_last_page_len [B],
-  // cached_lengths [B], new_lengths [B], total_lengths [B], new_offsets [B+1], total_offsets [B+1],
-  // kv_indices [M], ...
-  const std::vector<int64_t>& buf = r.metadata.buffer;
-  const int64_t M = r.metadata.num_batch_pages, N = r.metadata.num_new_tokens, P = core.page_size();
-  const int64_t* indptr = buf.data();
-  const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
-  std::vector<int64_t> slots;
-  slots.reserve(static_cast<size_t>(N));
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t pos = r.cached_lengths[b]; pos < lengths[b]; ++pos) {
-      slots.push_back(indices[indptr[b] + pos / P] * P + pos % P);
+}
+
+HostCore& host_of(Slot& slot, const char* op) {
+  TORCH_CHECK_VALUE(slot.host != nullptr, "gr_kv::", op, ": the cache has no host tier (cache_attach_host first)");
+  return *slot.host;
+}
+
+// allocate with the host tier: a user's host pages beyond its device pages are onboarded into the
+// plan's pages (pinned until the plan is committed or aborted). Adds onboard_slots [K] (host slots)
+// and onboard_pages [K] (their device pages): the caller copies host_table[:, slots] ->
+// kv_table[:, pages] before the step reads them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_allocate_tiered(
+    at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths, const at::Tensor& tokens) {
+  auto slot = slot_of(state);
+  const std::vector<int64_t> users = request_users(user_ids);
+  const int64_t B = static_cast<int64_t>(users.size());
+  std::vector<HistoryRef> refs;
+  const std::vector<int64_t> lengths = request_histories(history_lengths, tokens, B, &refs);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  CacheCore& core = slot->core;
+  HostCore& host = host_of(*slot, "cache_allocate_tiered");
+  const int64_t P = core.page_size();
+  AllocResult r = guarded([&] {
+    std::vector<int64_t> dev(B), versions(B), host_pages(B, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      dev[b] = core.match(users[b], refs[b], &versions[b]);
+      // NOTE: the manager's rule: ask the host tier when it holds the user and the history has more
+      // whole pages than the device's tokens cover.
+      if (host.version(kHostNamespace, users[b]) != -1 && lengths[b] / P > dev[b] / P) {
+        host_pages[b] = host.match(kHostNamespace, users[b], refs[b], slot->seed, dev[b] / P);
+      }
     }
+    return core.allocate(users, lengths, dev, versions, host_pages);
+  });
+  std::vector<int64_t> onboard_slots, onboard_pages;
+  if (r.status == AllocStatus::kOk) {
+    const std::vector<int64_t>& buf = r.metadata.buffer;
+    const int64_t* indptr = buf.data();
+    const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
+    std::vector<int64_t>& readers = slot->host_readers[r.plan_id];
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t keep = r.keep_pages[b], n = r.onboard_pages[b];
+      if (n == 0) continue;
+      std::vector<int64_t> got;
+      if (!host.acquire(kHostNamespace, users[b], keep, n, &got)) {
+        throw std::logic_error("host pages of user " + std::to_string(users[b]) + " vanished under the lock");
+      }
+      readers.push_back(users[b]);
+      onboard_slots.insert(onboard_slots.end(), got.begin(), got.end());
+      onboard_pages.insert(onboard_pages.end(), indices + indptr[b] + keep, indices + indptr[b] + keep + n);
+    }
+    publish_epoch(*slot, state);
   }
-  return std::make_tuple(plan, to_tensor(std::vector<int64_t>(indices, indices + M)),
-                         to_tensor(std::vector<int64_t>(indptr, indptr + B + 1)), to_tensor(r.cached_lengths),
-                         to_tensor(slots));
+  auto [plan, kv_indices, kv_indptr, cached, new_slots] = plan_tensors(r, lengths, P);
+  return std::make_tuple(plan, kv_indices, kv_indptr, cached, new_slots, to_tensor(onboard_slots),
+                         to_tensor(onboard_pages));
+}
+
+void release_host_readers(Slot& slot, int64_t plan_id) {
+  auto it = slot.host_readers.find(plan_id);
+  if (it == slot.host_readers.end()) return;
+  for (int64_t user : it->second) slot.host->release(kHostNamespace, user);
+  slot.host_readers.erase(it);
+}
+
+// The write-through of committed users: reservations (HostCore::reserve_write_through) returned as
+// a ticket and the copy to make, src_pages [K] (device pages) -> dst_slots [K] (host slots); the
+// device pages are pinned against eviction until cache_offload_reap.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cache_offload_launch(at::Tensor& state, const at::Tensor& user_ids) {
+  auto slot = slot_of(state);
+  const std::vector<int64_t> users = request_users(user_ids);
+  std::lock_guard<std::mutex> lock(slot->mu);
+  HostCore& host = host_of(*slot, "cache_offload_launch");
+  CacheCore& core = slot->core;
+  std::vector<HostCore::Dropped> dropped;
+  std::vector<HostCore::WriteThrough> items = guarded(
+      [&] { return host.reserve_write_through(kHostNamespace, core, core.current_namespace(), users, &dropped, nullptr); });
+  std::vector<int64_t> src, dst;
+  for (const auto& w : items) {
+    src.insert(src.end(), w.pages.begin(), w.pages.end());
+    dst.insert(dst.end(), w.slots.begin(), w.slots.end());
+    core.add_offload(core.current_namespace(), w.user);
+  }
+  const int64_t ticket = items.empty() ? 0 : slot->next_ticket++;
+  if (!items.empty()) slot->offloads.emplace(ticket, std::move(items));
+  publish_epoch(*slot, state);
+  return std::make_tuple(to_tensor({ticket}), to_tensor(src), to_tensor(dst));
+}
+
+// Publish (ok) or give back (not ok) an offload's reservations, in order; unpin its device pages.
+void cache_offload_reap(at::Tensor& state, const at::Tensor& ticket, bool ok) {
+  auto slot = slot_of(state);
+  check_int64_cpu(ticket, "ticket", 1);
+  TORCH_CHECK_VALUE(ticket.size(0) == 1, "ticket must have shape [1], got ", ticket.sizes());
+  const int64_t id = ticket[0].item<int64_t>();
+  std::lock_guard<std::mutex> lock(slot->mu);
+  if (id == 0) return;  // an offload with nothing to copy
+  auto it = slot->offloads.find(id);
+  TORCH_CHECK_VALUE(it != slot->offloads.end(), "ticket ", id, " names no offload in flight");
+  HostCore& host = host_of(*slot, "cache_offload_reap");
+  for (const auto& w : it->second) {
+    std::vector<Digest> published;
+    host.publish(kHostNamespace, w.user, w.slots, ok ? static_cast<int64_t>(w.slots.size()) : 0, &published);
+    slot->core.offload_done(slot->core.current_namespace(), w.user);
+  }
+  slot->offloads.erase(it);
+  publish_epoch(*slot, state);
 }
 
 int64_t plan_id_of(const at::Tensor& plan) {
@@ -213,6 +351,7 @@ void cache_commit(at::Tensor& state, const at::Tensor& plan, const at::Tensor& h
   std::vector<HistoryRef> refs;
   request_histories(history_lengths, tokens, B, &refs);
   guarded([&] { return slot->core.commit(plan_id, refs), 0; });
+  release_host_readers(*slot, plan_id);
   publish_epoch(*slot, state);
 }
 
@@ -221,6 +360,7 @@ void cache_abort(at::Tensor& state, const at::Tensor& plan) {
   const int64_t plan_id = plan_id_of(plan);
   std::lock_guard<std::mutex> lock(slot->mu);
   guarded([&] { return slot->core.abort(plan_id), 0; });
+  release_host_readers(*slot, plan_id);
   publish_epoch(*slot, state);
 }
 
@@ -229,6 +369,8 @@ void cache_destroy(at::Tensor& state) {
   std::lock_guard<std::mutex> lock(slot->mu);
   TORCH_CHECK_VALUE(slot->core.num_plans() == 0, slot->core.num_plans(),
                     " steps are in flight; commit or abort them before destroying the cache");
+  TORCH_CHECK_VALUE(slot->offloads.empty(), slot->offloads.size(),
+                    " offloads are in flight; reap them before destroying the cache");
   const int64_t handle = state[0].item<int64_t>();
   {
     Registry& r = registry();
@@ -251,6 +393,13 @@ TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
   m.def("cache_commit(Tensor(a!) state, Tensor plan, Tensor history_lengths, Tensor tokens) -> ()");
   m.def("cache_abort(Tensor(a!) state, Tensor plan) -> ()");
   m.def("cache_destroy(Tensor(a!) state) -> ()");
+  m.def("cache_attach_host(Tensor(a!) state, int num_slots) -> ()");
+  m.def("cache_allocate_tiered(Tensor(a!) state, Tensor user_ids, Tensor history_lengths, Tensor tokens) -> "
+        "(Tensor plan, Tensor kv_indices, Tensor kv_indptr, Tensor cached_lengths, Tensor new_token_slots, "
+        "Tensor onboard_slots, Tensor onboard_pages)");
+  m.def("cache_offload_launch(Tensor(a!) state, Tensor user_ids) -> (Tensor ticket, Tensor src_pages, "
+        "Tensor dst_slots)");
+  m.def("cache_offload_reap(Tensor(a!) state, Tensor ticket, bool ok) -> ()");
 }
 
 // NOTE: CompositeExplicitAutograd, not CPU: cache_create has no tensor argument, and the others check
@@ -262,4 +411,8 @@ TORCH_LIBRARY_IMPL(gr_kv, CompositeExplicitAutograd, m) {
   m.impl("cache_commit", gr_kv_core::cache_commit);
   m.impl("cache_abort", gr_kv_core::cache_abort);
   m.impl("cache_destroy", gr_kv_core::cache_destroy);
+  m.impl("cache_attach_host", gr_kv_core::cache_attach_host);
+  m.impl("cache_allocate_tiered", gr_kv_core::cache_allocate_tiered);
+  m.impl("cache_offload_launch", gr_kv_core::cache_offload_launch);
+  m.impl("cache_offload_reap", gr_kv_core::cache_offload_reap);
 }

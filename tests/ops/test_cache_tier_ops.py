@@ -1,0 +1,147 @@
+"""The host tier's tensor-only ops ``gr_kv::cache_{attach_host, allocate_tiered, offload_launch,
+offload_reap}`` (gr_plugin/csrc/core/request_ops.cpp): the same decisions as `KVCacheManager` with
+its pinned host tier on a scripted stream (evictions, returns, a tight host tier), the K/V bytes moved
+by ``gather_pages`` / ``scatter_pages`` arriving where the plans say, opcheck, and bad inputs."""
+
+import pytest
+import torch
+
+from gr_plugin.cache import CacheRequest, HostTier, KVCacheManager
+from gr_plugin.ops import cache_ops, library  # noqa: F401  (library: the page ops' kernels)
+
+from ..cache.helpers import history_tokens, tiny_config
+
+OPS = torch.ops.gr_kv
+PAGE, DEVICE_PAGES, HOST_SLOTS, NS = 4, 10, 9, "test"
+OK = cache_ops.STATUS["ok"]
+SINGLE_CALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+# (users visiting, events per user after the visit): devices hold ~2 users, the host ~2-3
+STREAM = [((1, 2), 9), ((3, 4), 10), ((1, 2), 12), ((5,), 14), ((3, 4), 13), ((1, 5), 15), ((2, 3, 4), 14),
+          ((1, 2), 17)]
+
+
+def _value(user: int, pos: int, layer: int, kv: int) -> float:
+    return user * 1000.0 + pos + layer * 0.25 + kv * 0.5
+
+
+def _request(users, length):
+    users = sorted(users)
+    return (torch.tensor(users), torch.tensor([length] * len(users)),
+            torch.cat([history_tokens(u, length) for u in users]))
+
+
+def _write_new_tokens(table, users, lengths, cached, slots):
+    """What a step's appends write: each new token's K and V, a value naming (user, position, layer)."""
+    at = 0
+    for u, total, c in zip(users, lengths, cached):
+        for pos in range(c, total):
+            page, off = divmod(int(slots[at]), PAGE)
+            for layer in range(table.shape[0]):
+                for kv in (0, 1):
+                    table[layer, page, kv, off] = _value(u, pos, layer, kv)
+            at += 1
+
+
+def _assert_history_in_pages(table, users, cached, kv_indices, kv_indptr):
+    for b, (u, c) in enumerate(zip(users, cached)):
+        for pos in range(c):
+            page = int(kv_indices[int(kv_indptr[b]) + pos // PAGE])
+            for layer in range(table.shape[0]):
+                for kv in (0, 1):
+                    got = table[layer, page, kv, pos % PAGE]
+                    assert torch.all(got == _value(u, pos, layer, kv)), (u, pos, layer, kv)
+
+
+def _tables():
+    cfg = tiny_config(num_pages=DEVICE_PAGES)
+    shape = (cfg.num_layers, DEVICE_PAGES, 2, PAGE, cfg.num_heads, cfg.head_dim)
+    return cfg, torch.zeros(shape), torch.zeros((*shape[:1], HOST_SLOTS, *shape[2:]))
+
+
+def test_tier_ops_make_the_managers_decisions_and_move_the_bytes():
+    cfg, kv_table, host_table = _tables()
+    cfg.host_cache_bytes = HOST_SLOTS * cfg.page_bytes
+    manager = KVCacheManager(cfg, HostTier())
+    state = OPS.cache_create(DEVICE_PAGES, PAGE, NS)
+    OPS.cache_attach_host(state, HOST_SLOTS)
+    onboarded = 0
+    for users, length in STREAM:
+        req = _request(users, length)
+        plan = manager.prepare(CacheRequest(*req))  # allocate + onboard launch
+        out = OPS.cache_allocate_tiered(state, *req)
+        status, kv_indices, kv_indptr, cached, slots, onboard_slots, onboard_pages = out
+        if plan is None:  # more pages than the device has: both refuse, nothing changes
+            assert status[0].item() == cache_ops.STATUS["too_big"] and onboard_slots.numel() == 0
+            continue
+        assert status[0].item() == OK and status[1].item() == plan.plan_id
+        assert cached.tolist() == plan.cached_lengths and kv_indices.tolist() == plan.metadata.kv_indices.tolist()
+        assert onboard_slots.numel() * PAGE == sum(plan.onboard_tokens)
+        # onboard: the host slots' pages into the plan's pages, then the step's appends
+        OPS.scatter_pages(kv_table, OPS.gather_pages(host_table, onboard_slots), onboard_pages)
+        onboarded += onboard_slots.numel()
+        _assert_history_in_pages(kv_table, req[0].tolist(), cached.tolist(), kv_indices, kv_indptr)
+        _write_new_tokens(kv_table, req[0].tolist(), req[1].tolist(), cached.tolist(), slots)
+        OPS.cache_commit(state, status, req[1], req[2])
+        manager.commit(plan)
+        manager.offload_flush()
+        # write-through: the committed users' new full pages into host slots
+        ticket, src_pages, dst_slots = OPS.cache_offload_launch(state, req[0])
+        OPS.scatter_pages(host_table, OPS.gather_pages(kv_table, src_pages), dst_slots)
+        OPS.cache_offload_reap(state, ticket, True)
+    stats = manager.stats()
+    assert onboarded * PAGE == stats["tokens_reused_host"] > 0  # the stream reaches the host tier
+    assert stats["host_evicted_users"] > 0  # and it is tight
+    manager.check()
+    OPS.cache_destroy(state)
+
+
+def _attached():
+    state = OPS.cache_create(DEVICE_PAGES, PAGE, NS)
+    OPS.cache_attach_host(state, HOST_SLOTS)
+    return state
+
+
+@pytest.mark.parametrize("util", SINGLE_CALL_UTILS)
+def test_opcheck_tier_ops(util):
+    state = OPS.cache_create(DEVICE_PAGES, PAGE, NS)
+    torch.library.opcheck(OPS.cache_attach_host.default, (state, HOST_SLOTS), test_utils=util)
+    state = _attached()
+    req = _request((1, 2), 9)
+    torch.library.opcheck(OPS.cache_allocate_tiered.default, (state, *req), test_utils=util)
+    state = _attached()
+    plan = OPS.cache_allocate_tiered(state, *req)[0]
+    OPS.cache_commit(state, plan, req[1], req[2])
+    torch.library.opcheck(OPS.cache_offload_launch.default, (state, req[0]), test_utils=util)
+    state = _attached()
+    plan = OPS.cache_allocate_tiered(state, *req)[0]
+    OPS.cache_commit(state, plan, req[1], req[2])
+    ticket = OPS.cache_offload_launch(state, req[0])[0]
+    torch.library.opcheck(OPS.cache_offload_reap.default, (state, ticket, True), test_utils=util)
+
+
+def test_tier_ops_bad_inputs_raise_and_change_nothing():
+    state = OPS.cache_create(DEVICE_PAGES, PAGE, NS)
+    req = _request((1, 2), 9)
+    with pytest.raises(ValueError, match="no host tier"):
+        OPS.cache_allocate_tiered(state, *req)
+    with pytest.raises(ValueError, match="num_slots must be > 0, got 0"):
+        OPS.cache_attach_host(state, 0)
+    OPS.cache_attach_host(state, HOST_SLOTS)
+    with pytest.raises(ValueError, match="already has a host tier"):
+        OPS.cache_attach_host(state, HOST_SLOTS)
+    plan = OPS.cache_allocate_tiered(state, *req)[0]
+    OPS.cache_commit(state, plan, req[1], req[2])
+    ticket, src_pages, dst_slots = OPS.cache_offload_launch(state, req[0])
+    assert ticket.item() > 0 and src_pages.numel() == dst_slots.numel() == 4  # 2 full pages each
+    with pytest.raises(ValueError, match="names no offload in flight"):
+        OPS.cache_offload_reap(state, ticket + 1, True)
+    with pytest.raises(ValueError, match="ticket must have shape"):
+        OPS.cache_offload_reap(state, torch.tensor([1, 2]), True)
+    with pytest.raises(ValueError, match="offloads are in flight"):
+        OPS.cache_destroy(state)
+    OPS.cache_offload_reap(state, ticket, False)  # given back: nothing published
+    again = OPS.cache_offload_launch(state, req[0])  # so the pages are still to write
+    assert again[1].tolist() == src_pages.tolist()
+    OPS.cache_offload_reap(state, again[0], True)
+    assert OPS.cache_offload_launch(state, req[0])[0].item() == 0  # nothing new: no ticket
+    OPS.cache_destroy(state)
