@@ -145,3 +145,42 @@ def test_tier_ops_bad_inputs_raise_and_change_nothing():
     OPS.cache_offload_reap(state, again[0], True)
     assert OPS.cache_offload_launch(state, req[0])[0].item() == 0  # nothing new: no ticket
     OPS.cache_destroy(state)
+
+
+def test_export_keeps_a_tiered_step():
+    """allocate_tiered, the onboard copy (gather/scatter), the commit and the write-through ops in one
+    exported program: every op stays in the graph, the tables and the state are mutated inputs, and the
+    program makes the same decisions as eager calls on a twin cache."""
+
+    class Step(torch.nn.Module):
+        def forward(self, state, users, lengths, tokens, kv_table, host_table):
+            plan, kv_indices, kv_indptr, cached, slots, onboard_slots, onboard_pages = OPS.cache_allocate_tiered(
+                state, users, lengths, tokens)
+            OPS.scatter_pages(kv_table, OPS.gather_pages(host_table, onboard_slots), onboard_pages)
+            OPS.cache_commit(state, plan, lengths, tokens)
+            ticket, src_pages, dst_slots = OPS.cache_offload_launch(state, users)
+            OPS.scatter_pages(host_table, OPS.gather_pages(kv_table, src_pages), dst_slots)
+            OPS.cache_offload_reap(state, ticket, True)
+            return cached, onboard_pages
+
+    def warm():
+        state = OPS.cache_create(DEVICE_PAGES, PAGE, NS)
+        OPS.cache_attach_host(state, HOST_SLOTS)
+        _, kv_table, host_table = _tables()
+        for users, length in (((1,), 9), ((2, 3), 13)):  # user 1 is written through, then evicted
+            Step()(state, *_request(users, length), kv_table, host_table)
+        return state, kv_table, host_table
+
+    state, kv_table, host_table = warm()
+    req = _request((1,), 11)
+    ep = torch.export.export(Step(), (state.clone(), *req, kv_table.clone(), host_table.clone()), strict=False)
+    targets = " ".join(str(n.target) for n in ep.graph.nodes)
+    for op in ("cache_allocate_tiered", "scatter_pages", "cache_commit", "cache_offload_launch", "cache_offload_reap"):
+        assert op in targets, targets
+    mutated = set(ep.run_decompositions().graph_signature.user_inputs_to_mutate.values())
+    assert {"state", "kv_table", "host_table"} <= mutated, mutated
+    twin = warm()
+    want = Step()(state, *req, kv_table, host_table)
+    got = ep.module()(twin[0], *req, twin[1], twin[2])
+    assert want[0].tolist() == got[0].tolist() == [8] and want[1].numel() == 2  # onboarded from the host
+    assert torch.equal(want[1], got[1]) and torch.equal(kv_table, twin[1]) and torch.equal(host_table, twin[2])
