@@ -154,7 +154,7 @@ def test_export_keeps_a_tiered_step():
 
     class Step(torch.nn.Module):
         def forward(self, state, users, lengths, tokens, kv_table, host_table):
-            plan, kv_indices, kv_indptr, cached, slots, onboard_slots, onboard_pages = OPS.cache_allocate_tiered(
+            plan, _, _, cached, _, onboard_slots, onboard_pages = OPS.cache_allocate_tiered(
                 state, users, lengths, tokens)
             OPS.scatter_pages(kv_table, OPS.gather_pages(host_table, onboard_slots), onboard_pages)
             OPS.cache_commit(state, plan, lengths, tokens)
