@@ -13,10 +13,10 @@ each cache lives in the C++ registry, addressed by a ``state`` tensor (int64 CPU
 - The pinned host tier (the C++ ``HostCore``, the Python host tier's policy): ``cache_attach_host(state!,
   num_slots)``; ``cache_allocate_tiered(state!, ...)`` -> ``cache_allocate``'s outputs + ``onboard_slots [K]``,
   ``onboard_pages [K]`` (copy host slots -> device pages before the step; the host pages stay pinned until
-  commit/abort); ``cache_offload_launch(state!, user_ids) -> (ticket [1], src_pages [K], dst_slots [K])``
-  (the write-through of committed users: copy device pages -> host slots) and ``cache_offload_reap(state!,
-  ticket, ok)`` (publishes them, or gives them back). The bytes are the caller's: ``gr_kv::gather_pages`` /
-  ``scatter_pages`` move them between the two tables. SSD and remote tiers stay `KVCacheManager`'s.
+  commit/abort); ``cache_offload_launch(state!, user_ids) -> (ticket [2] (id, refused), src_pages [K],
+  dst_slots [K])`` (the write-through of committed users: copy device pages -> host slots) and
+  ``cache_offload_reap(state!, ticket, ok)`` (publishes them, or gives them back; in launch order). The
+  bytes are the caller's: ``gr_kv::gather_pages`` / ``scatter_pages`` move them between the two tables. SSD and remote tiers stay `KVCacheManager`'s.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _(state, user_ids, history_lengths, tokens):
 @torch.library.register_fake("gr_kv::cache_offload_launch")
 def _(state, user_ids):
     num = torch.library.get_ctx().new_dynamic_size()
-    return _index(1), _index(num), _index(num)
+    return _index(2), _index(num), _index(num)
 
 
 @torch.library.register_fake("gr_kv::cache_offload_reap")

@@ -132,19 +132,58 @@ def test_tier_ops_bad_inputs_raise_and_change_nothing():
     plan = OPS.cache_allocate_tiered(state, *req)[0]
     OPS.cache_commit(state, plan, req[1], req[2])
     ticket, src_pages, dst_slots = OPS.cache_offload_launch(state, req[0])
-    assert ticket.item() > 0 and src_pages.numel() == dst_slots.numel() == 4  # 2 full pages each
+    assert ticket[0].item() > 0 and src_pages.numel() == dst_slots.numel() == 4  # 2 full pages each
+    assert ticket[1].item() == 0  # nobody refused
     with pytest.raises(ValueError, match="names no offload in flight"):
-        OPS.cache_offload_reap(state, ticket + 1, True)
-    with pytest.raises(ValueError, match="ticket must have shape"):
-        OPS.cache_offload_reap(state, torch.tensor([1, 2]), True)
+        OPS.cache_offload_reap(state, ticket + torch.tensor([1, 0]), True)
+    with pytest.raises(ValueError, match=r"ticket must have shape \[2\]"):
+        OPS.cache_offload_reap(state, ticket[:1], True)
     with pytest.raises(ValueError, match="offloads are in flight"):
         OPS.cache_destroy(state)
     OPS.cache_offload_reap(state, ticket, False)  # given back: nothing published
     again = OPS.cache_offload_launch(state, req[0])  # so the pages are still to write
     assert again[1].tolist() == src_pages.tolist()
     OPS.cache_offload_reap(state, again[0], True)
-    assert OPS.cache_offload_launch(state, req[0])[0].item() == 0  # nothing new: no ticket
+    assert OPS.cache_offload_launch(state, req[0])[0].tolist() == [0, 0]  # nothing new: no ticket
     OPS.cache_destroy(state)
+
+
+def test_offloads_are_reaped_in_launch_order():
+    state = _attached()
+    first = _request((1,), 9)
+    plan = OPS.cache_allocate_tiered(state, *first)[0]
+    OPS.cache_commit(state, plan, first[1], first[2])
+    a = OPS.cache_offload_launch(state, first[0])[0]
+    second = _request((1, 2), 13)
+    plan = OPS.cache_allocate_tiered(state, *second)[0]
+    OPS.cache_commit(state, plan, second[1], second[2])
+    b = OPS.cache_offload_launch(state, torch.tensor([2, 1]))[0]
+    epoch = state[1].item()
+    with pytest.raises(ValueError, match=f"reap ticket {a[0].item()} before ticket {b[0].item()}"):
+        OPS.cache_offload_reap(state, b, True)
+    assert state[1].item() == epoch  # nothing changed: both still reap, in order
+    OPS.cache_offload_reap(state, a, True)
+    OPS.cache_offload_reap(state, b, True)
+    OPS.cache_destroy(state)
+
+
+def test_pages_an_offload_reads_are_not_handed_out_before_its_reap():
+    state = OPS.cache_create(6, PAGE, NS)
+    OPS.cache_attach_host(state, HOST_SLOTS)
+    req = _request((1,), 8)
+    plan = OPS.cache_allocate_tiered(state, *req)[0]
+    OPS.cache_commit(state, plan, req[1], req[2])
+    ticket, src_pages, _ = OPS.cache_offload_launch(state, req[0])
+    assert src_pages.tolist() == [0, 1]
+    # user 1's history edited at its first event: its old pages are freed by this commit
+    users, lengths = torch.tensor([1]), torch.tensor([8])
+    edited = history_tokens(1, 8, edit_at=0)
+    plan = OPS.cache_allocate_tiered(state, users, lengths, edited)[0]
+    OPS.cache_commit(state, plan, lengths, edited)
+    other = _request((2,), 8)
+    kv_indices = OPS.cache_allocate_tiered(state, *other)[1]
+    assert not set(kv_indices.tolist()) & {0, 1}  # still read by the offload: not reused yet
+    OPS.cache_offload_reap(state, ticket, True)
 
 
 def test_export_keeps_a_tiered_step():

@@ -285,14 +285,19 @@ int64_t HostCore::publish(int32_t ns, int64_t user, const std::vector<int64_t>& 
 std::vector<HostCore::WriteThrough> HostCore::reserve_write_through(int32_t ns, const CacheCore& core,
                                                                    int32_t core_ns, const std::vector<int64_t>& users,
                                                                    std::vector<Dropped>* dropped, int64_t* failed) {
+  for (int64_t user : users) {  // NOTE: every check before the first reservation: a throw changes nothing
+    const CacheCore::EntryView entry = core.entry(core_ns, user);
+    const int64_t full = entry.num_tokens / page_size_;
+    if (entry.exists &&
+        (static_cast<int64_t>(entry.page_hashes->size()) < full || static_cast<int64_t>(entry.pages->size()) < full)) {
+      throw std::logic_error("device entry of user " + str(user) + " has fewer page hashes than full pages");
+    }
+  }
   std::vector<WriteThrough> out;
   for (int64_t user : users) {
     const CacheCore::EntryView entry = core.entry(core_ns, user);
     if (!entry.exists) continue;
     const int64_t full = entry.num_tokens / page_size_;
-    if (static_cast<int64_t>(entry.page_hashes->size()) < full || static_cast<int64_t>(entry.pages->size()) < full) {
-      throw std::logic_error("device entry of user " + str(user) + " has fewer page hashes than full pages");
-    }
     const Digest* hashes = entry.page_hashes->data();
     const int64_t have = stored_pages(ns, user, hashes, full);
     if (have >= full) continue;

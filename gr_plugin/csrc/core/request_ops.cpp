@@ -17,6 +17,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -43,7 +45,12 @@ struct Slot {
   int64_t epoch = 0;
   std::unique_ptr<HostCore> host;                                  // cache_attach_host
   std::unordered_map<int64_t, std::vector<int64_t>> host_readers;  // plan id -> users whose host pages it pinned
-  std::unordered_map<int64_t, std::vector<HostCore::WriteThrough>> offloads;  // ticket -> reservations
+  struct Offload {
+    int64_t ticket;
+    std::vector<HostCore::WriteThrough> items;
+    std::vector<int64_t> src;  // device pages read (pool readers until the reap)
+  };
+  std::deque<Offload> offloads;  // in launch order: reaped in that order (host publishes are ordered)
   int64_t next_ticket = 1;
   Slot(int64_t num_pages, int64_t page_size) : core(num_pages, page_size) {}
 };
@@ -268,7 +275,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       const int64_t keep = r.keep_pages[b], n = r.onboard_pages[b];
       if (n == 0) continue;
       std::vector<int64_t> got;
-      if (!host.acquire(kHostNamespace, users[b], keep, n, &got)) {
+      if (!host.acquire(kHostNamespace, users[b], keep, n, &got)) {  // (an invariant broken: roll back)
+        for (int64_t u : readers) host.release(kHostNamespace, u);
+        slot->host_readers.erase(r.plan_id);
+        core.abort(r.plan_id);
         throw std::logic_error("host pages of user " + std::to_string(users[b]) + " vanished under the lock");
       }
       readers.push_back(users[b]);
@@ -290,8 +300,9 @@ void release_host_readers(Slot& slot, int64_t plan_id) {
 }
 
 // The write-through of committed users: reservations (HostCore::reserve_write_through) returned as
-// a ticket and the copy to make, src_pages [K] (device pages) -> dst_slots [K] (host slots); the
-// device pages are pinned against eviction until cache_offload_reap.
+// a ticket [2] = (id, users whose reservation could not be had; id 0: nothing to copy) and the copy
+// to make, src_pages [K] (device pages) -> dst_slots [K] (host slots). Until cache_offload_reap the
+// device pages are pinned: their users are not evicted and a freed page is not handed out again.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cache_offload_launch(at::Tensor& state, const at::Tensor& user_ids) {
   auto slot = slot_of(state);
   const std::vector<int64_t> users = request_users(user_ids);
@@ -299,37 +310,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cache_offload_launch(at::Tensor& 
   HostCore& host = host_of(*slot, "cache_offload_launch");
   CacheCore& core = slot->core;
   std::vector<HostCore::Dropped> dropped;
-  std::vector<HostCore::WriteThrough> items = guarded(
-      [&] { return host.reserve_write_through(kHostNamespace, core, core.current_namespace(), users, &dropped, nullptr); });
+  int64_t refused = 0;
+  std::vector<HostCore::WriteThrough> items = guarded([&] {
+    return host.reserve_write_through(kHostNamespace, core, core.current_namespace(), users, &dropped, &refused);
+  });
   std::vector<int64_t> src, dst;
   for (const auto& w : items) {
     src.insert(src.end(), w.pages.begin(), w.pages.end());
     dst.insert(dst.end(), w.slots.begin(), w.slots.end());
     core.add_offload(core.current_namespace(), w.user);
   }
-  const int64_t ticket = items.empty() ? 0 : slot->next_ticket++;
-  if (!items.empty()) slot->offloads.emplace(ticket, std::move(items));
+  int64_t ticket = 0;
+  if (!items.empty()) {
+    core.pool().add_readers(src.data(), src.size());
+    ticket = slot->next_ticket++;
+    slot->offloads.push_back(Slot::Offload{ticket, std::move(items), src});
+  }
   publish_epoch(*slot, state);
-  return std::make_tuple(to_tensor({ticket}), to_tensor(src), to_tensor(dst));
+  return std::make_tuple(to_tensor({ticket, refused}), to_tensor(src), to_tensor(dst));
 }
 
-// Publish (ok) or give back (not ok) an offload's reservations, in order; unpin its device pages.
+// Publish (ok) or give back (not ok) the oldest offload's reservations, in order; unpin its pages.
 void cache_offload_reap(at::Tensor& state, const at::Tensor& ticket, bool ok) {
   auto slot = slot_of(state);
   check_int64_cpu(ticket, "ticket", 1);
-  TORCH_CHECK_VALUE(ticket.size(0) == 1, "ticket must have shape [1], got ", ticket.sizes());
+  TORCH_CHECK_VALUE(ticket.size(0) == 2, "ticket must have shape [2] (id, refused), got ", ticket.sizes());
   const int64_t id = ticket[0].item<int64_t>();
   std::lock_guard<std::mutex> lock(slot->mu);
-  if (id == 0) return;  // an offload with nothing to copy
-  auto it = slot->offloads.find(id);
-  TORCH_CHECK_VALUE(it != slot->offloads.end(), "ticket ", id, " names no offload in flight");
   HostCore& host = host_of(*slot, "cache_offload_reap");
-  for (const auto& w : it->second) {
+  if (id == 0) return;  // an offload with nothing to copy
+  auto it = std::find_if(slot->offloads.begin(), slot->offloads.end(),
+                         [&](const Slot::Offload& o) { return o.ticket == id; });
+  TORCH_CHECK_VALUE(it != slot->offloads.end(), "ticket ", id, " names no offload in flight");
+  TORCH_CHECK_VALUE(it == slot->offloads.begin(), "offloads are reaped in launch order: reap ticket ",
+                    slot->offloads.front().ticket, " before ticket ", id);
+  CacheCore& core = slot->core;
+  for (const auto& w : it->items) {
     std::vector<Digest> published;
     host.publish(kHostNamespace, w.user, w.slots, ok ? static_cast<int64_t>(w.slots.size()) : 0, &published);
-    slot->core.offload_done(slot->core.current_namespace(), w.user);
+    core.offload_done(core.current_namespace(), w.user);
   }
-  slot->offloads.erase(it);
+  core.pool().remove_readers(it->src.data(), it->src.size());
+  slot->offloads.pop_front();
   publish_epoch(*slot, state);
 }
 
