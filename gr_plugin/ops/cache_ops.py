@@ -16,7 +16,8 @@ each cache lives in the C++ registry, addressed by a ``state`` tensor (int64 CPU
   commit/abort); ``cache_offload_launch(state!, user_ids) -> (ticket [2] (id, refused), src_pages [K],
   dst_slots [K])`` (the write-through of committed users: copy device pages -> host slots) and
   ``cache_offload_reap(state!, ticket, ok)`` (publishes them, or gives them back; in launch order). The
-  bytes are the caller's: ``gr_kv::gather_pages`` / ``scatter_pages`` move them between the two tables. SSD and remote tiers stay `KVCacheManager`'s.
+  bytes are the caller's: ``gr_kv::gather_pages`` / ``scatter_pages`` move them between the two tables.
+  SSD and remote tiers stay `KVCacheManager`'s.
 """
 
 from __future__ import annotations
