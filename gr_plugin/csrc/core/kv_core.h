@@ -147,6 +147,18 @@ struct AllocResult {
   BatchMetadata metadata;
 };
 
+// A user in a namespace: the key of the device directory and of the host tier.
+struct UserKey {
+  int32_t ns;
+  int64_t user;
+  bool operator==(const UserKey& o) const { return ns == o.ns && user == o.user; }
+};
+struct UserKeyHash {
+  size_t operator()(const UserKey& k) const noexcept {
+    return std::hash<int64_t>()(k.user) * 31u + static_cast<size_t>(k.ns);
+  }
+};
+
 // ------------------------------------------------------------------------------------ the core
 // Device user directory + page pool + in-flight plans. Users are keyed by (namespace id, user id);
 // namespace ids come from set_namespace. Verbs without a namespace act on the current one.
@@ -219,16 +231,8 @@ class CacheCore {
   std::string check() const;
 
  private:
-  struct Key {
-    int32_t ns;
-    int64_t user;
-    bool operator==(const Key& o) const { return ns == o.ns && user == o.user; }
-  };
-  struct KeyHash {
-    size_t operator()(const Key& k) const noexcept {
-      return std::hash<int64_t>()(k.user) * 31u + static_cast<size_t>(k.ns);
-    }
-  };
+  using Key = UserKey;
+  using KeyHash = UserKeyHash;
   struct Entry {
     Key key;
     std::vector<int64_t> pages;
@@ -359,16 +363,8 @@ class HostCore {
   std::string check() const;  // "" when every slot is free or owned once, else what is wrong
 
  private:
-  struct Key {
-    int32_t ns;
-    int64_t user;
-    bool operator==(const Key& o) const { return ns == o.ns && user == o.user; }
-  };
-  struct KeyHash {
-    size_t operator()(const Key& k) const noexcept {
-      return std::hash<int64_t>()(k.user) * 31u + static_cast<size_t>(k.ns);
-    }
-  };
+  using Key = UserKey;
+  using KeyHash = UserKeyHash;
   struct Reservation {
     std::vector<int64_t> slots;
     std::vector<Digest> hashes;

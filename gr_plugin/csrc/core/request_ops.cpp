@@ -202,13 +202,28 @@ PlanTensors plan_tensors(const AllocResult& r, const std::vector<int64_t>& lengt
                          to_tensor(slots));
 }
 
+// A request's users, lengths and history views, checked (ValueError) before any cache is touched.
+struct Request {
+  std::vector<int64_t> users, lengths;
+  std::vector<HistoryRef> refs;
+  int64_t size() const { return static_cast<int64_t>(users.size()); }
+};
+
+Request request_of(const at::Tensor& user_ids, const at::Tensor& history_lengths, const at::Tensor& tokens) {
+  Request q;
+  q.users = request_users(user_ids);
+  q.lengths = request_histories(history_lengths, tokens, q.size(), &q.refs);
+  return q;
+}
+
 PlanTensors cache_allocate(at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths,
                            const at::Tensor& tokens) {
   auto slot = slot_of(state);
-  const std::vector<int64_t> users = request_users(user_ids);
-  const int64_t B = static_cast<int64_t>(users.size());
-  std::vector<HistoryRef> refs;
-  const std::vector<int64_t> lengths = request_histories(history_lengths, tokens, B, &refs);
+  const Request q = request_of(user_ids, history_lengths, tokens);
+  const std::vector<int64_t>& users = q.users;
+  const std::vector<int64_t>& lengths = q.lengths;
+  const std::vector<HistoryRef>& refs = q.refs;
+  const int64_t B = q.size();
   std::lock_guard<std::mutex> lock(slot->mu);
   CacheCore& core = slot->core;
   // NOTE: match and allocate under one lock, so the versions cannot change in between (no kChanged).
@@ -245,10 +260,11 @@ HostCore& host_of(Slot& slot, const char* op) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cache_allocate_tiered(
     at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths, const at::Tensor& tokens) {
   auto slot = slot_of(state);
-  const std::vector<int64_t> users = request_users(user_ids);
-  const int64_t B = static_cast<int64_t>(users.size());
-  std::vector<HistoryRef> refs;
-  const std::vector<int64_t> lengths = request_histories(history_lengths, tokens, B, &refs);
+  const Request q = request_of(user_ids, history_lengths, tokens);
+  const std::vector<int64_t>& users = q.users;
+  const std::vector<int64_t>& lengths = q.lengths;
+  const std::vector<HistoryRef>& refs = q.refs;
+  const int64_t B = q.size();
   std::lock_guard<std::mutex> lock(slot->mu);
   CacheCore& core = slot->core;
   HostCore& host = host_of(*slot, "cache_allocate_tiered");
