@@ -216,24 +216,33 @@ Request request_of(const at::Tensor& user_ids, const at::Tensor& history_lengths
   return q;
 }
 
+// Match (device, and the host tier when there is one) and allocate; the caller holds the lock. NOTE: under
+// one lock, so the versions cannot change in between (no kChanged).
+AllocResult match_and_allocate(Slot& slot, const Request& q, const HostCore* host) {
+  CacheCore& core = slot.core;
+  const int64_t B = q.size(), P = core.page_size();
+  return guarded([&] {
+    std::vector<int64_t> dev(B), versions(B), host_pages(B, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      dev[b] = core.match(q.users[b], q.refs[b], &versions[b]);
+      // NOTE: the manager's rule: ask the host tier when it holds the user and the history has more
+      // whole pages than the device's tokens cover.
+      if (host != nullptr && host->version(kHostNamespace, q.users[b]) != -1 && q.lengths[b] / P > dev[b] / P) {
+        host_pages[b] = host->match(kHostNamespace, q.users[b], q.refs[b], slot.seed, dev[b] / P);
+      }
+    }
+    return core.allocate(q.users, q.lengths, dev, versions, host_pages);
+  });
+}
+
 PlanTensors cache_allocate(at::Tensor& state, const at::Tensor& user_ids, const at::Tensor& history_lengths,
                            const at::Tensor& tokens) {
   auto slot = slot_of(state);
   const Request q = request_of(user_ids, history_lengths, tokens);
-  const std::vector<int64_t>& users = q.users;
-  const std::vector<int64_t>& lengths = q.lengths;
-  const std::vector<HistoryRef>& refs = q.refs;
-  const int64_t B = q.size();
   std::lock_guard<std::mutex> lock(slot->mu);
-  CacheCore& core = slot->core;
-  // NOTE: match and allocate under one lock, so the versions cannot change in between (no kChanged).
-  AllocResult r = guarded([&] {
-    std::vector<int64_t> dev(B), versions(B);
-    for (int64_t b = 0; b < B; ++b) dev[b] = core.match(users[b], refs[b], &versions[b]);
-    return core.allocate(users, lengths, dev, versions, std::vector<int64_t>(B, 0));
-  });
+  const AllocResult r = match_and_allocate(*slot, q, nullptr);
   if (r.status == AllocStatus::kOk) publish_epoch(*slot, state);
-  return plan_tensors(r, lengths, core.page_size());
+  return plan_tensors(r, q.lengths, slot->core.page_size());
 }
 
 // ------------------------------------------------------------------------------ the host tier
@@ -262,25 +271,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   auto slot = slot_of(state);
   const Request q = request_of(user_ids, history_lengths, tokens);
   const std::vector<int64_t>& users = q.users;
-  const std::vector<int64_t>& lengths = q.lengths;
-  const std::vector<HistoryRef>& refs = q.refs;
   const int64_t B = q.size();
   std::lock_guard<std::mutex> lock(slot->mu);
   CacheCore& core = slot->core;
   HostCore& host = host_of(*slot, "cache_allocate_tiered");
-  const int64_t P = core.page_size();
-  AllocResult r = guarded([&] {
-    std::vector<int64_t> dev(B), versions(B), host_pages(B, 0);
-    for (int64_t b = 0; b < B; ++b) {
-      dev[b] = core.match(users[b], refs[b], &versions[b]);
-      // NOTE: the manager's rule: ask the host tier when it holds the user and the history has more
-      // whole pages than the device's tokens cover.
-      if (host.version(kHostNamespace, users[b]) != -1 && lengths[b] / P > dev[b] / P) {
-        host_pages[b] = host.match(kHostNamespace, users[b], refs[b], slot->seed, dev[b] / P);
-      }
-    }
-    return core.allocate(users, lengths, dev, versions, host_pages);
-  });
+  const AllocResult r = match_and_allocate(*slot, q, &host);
   std::vector<int64_t> onboard_slots, onboard_pages;
   if (r.status == AllocStatus::kOk) {
     const std::vector<int64_t>& buf = r.metadata.buffer;
@@ -303,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     publish_epoch(*slot, state);
   }
-  auto [plan, kv_indices, kv_indptr, cached, new_slots] = plan_tensors(r, lengths, P);
+  auto [plan, kv_indices, kv_indptr, cached, new_slots] = plan_tensors(r, q.lengths, core.page_size());
   return std::make_tuple(plan, kv_indices, kv_indptr, cached, new_slots, to_tensor(onboard_slots),
                          to_tensor(onboard_pages));
 }
