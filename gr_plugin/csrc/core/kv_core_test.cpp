@@ -136,6 +136,17 @@ void test_host_tier() {
   EXPECT(dropped.size() == 1 && dropped[0].user == 7 && dropped[0].slots.size() == 2);
   EXPECT(host.publish(0, 8, slots, 1, &published) == 0 && host.slots_of(0, 8).size() == 1);
   EXPECT(host.check().empty() && host.num_free() == 3);
+  // Write-through from a device entry: its full pages the host lacks, then nothing more to write.
+  const int64_t P = 2;
+  CacheCore core(8, P);
+  const int32_t ns = core.set_namespace("test", 7);
+  step(core, 9, history(9, 5, P), P);  // 2 full pages + a partial one
+  HostCore tier(4, P);
+  auto items = tier.reserve_write_through(0, core, ns, {9, 10}, &dropped, nullptr);  // user 10: no entry
+  EXPECT(items.size() == 1 && items[0].user == 9 && items[0].first == 0 &&
+         items[0].pages == std::vector<int64_t>(core.entry(ns, 9).pages->begin(), core.entry(ns, 9).pages->begin() + 2));
+  tier.publish(0, 9, items[0].slots, 2, &published);
+  EXPECT(tier.reserve_write_through(0, core, ns, {9}, &dropped, nullptr).empty() && tier.check().empty());
 }
 
 void test_hashing() {
