@@ -58,6 +58,26 @@ class KVBackend(ABC):
     def version(self, key: Key) -> int:
         """Changes whenever what the backend holds for ``key`` changes (-1: nothing held)."""
 
+    def versions(self, keys: list[Key]) -> list[int]:
+        """`version` of each key (one call for a batch where a backend can batch it)."""
+        return [self.version(k) for k in keys]
+
+    def match_many(self, keys: list[Key], tokens: torch.Tensor, offsets: list[int], seed: int,
+                   device_tokens: list[int], page_size: int) -> tuple[list[dict[str, int]], list[int]]:
+        """A lookup's question for a batch: per user, the tier pages (`match`, ``min_pages`` = its device
+        pages) and the `version`. A user is asked only when the backend holds something for it
+        (version != -1) and its history ``tokens[offsets[b]:offsets[b+1]]`` has more whole pages than
+        its ``device_tokens`` cover (``{}`` otherwise): the rule the C++ host core's ``match_beyond``
+        applies too."""
+        out, versions = [], []
+        for b, key in enumerate(keys):
+            start, length, dev = offsets[b], offsets[b + 1] - offsets[b], device_tokens[b]
+            v = self.version(key)
+            versions.append(v)
+            asked = v != -1 and length // page_size > dev // page_size
+            out.append(self.match(key, tokens, start, length, seed, min_pages=dev // page_size) if asked else {})
+        return out, versions
+
     @abstractmethod
     def acquire(self, key: Key, first_page: int, num_pages: int) -> torch.Tensor | None:
         """Host slots ``[num_pages]`` of pages ``[first_page, first_page + num_pages)``, pinned

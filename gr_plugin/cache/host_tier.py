@@ -110,6 +110,37 @@ class HostTier(KVBackend):
         ns = self._ns_ids.get(key[0])
         return -1 if ns is None else self._core.version(ns, key[1])
 
+    def _batched(self) -> bool:
+        # NOTE: a subclass with its own match/version (TieredBackend: lower tiers) keeps the generic loop.
+        cls = type(self)
+        return cls.match is HostTier.match and cls.version is HostTier.version
+
+    def versions(self, keys: list[Key]) -> list[int]:
+        if not keys or not self._batched():
+            return super().versions(keys)
+        ns = self._ns_ids.get(keys[0][0])
+        if ns is None or any(k[0] != keys[0][0] for k in keys):
+            return super().versions(keys)
+        return self._core.versions(ns, [k[1] for k in keys])
+
+    def match_many(self, keys: list[Key], tokens: torch.Tensor, offsets: list[int], seed: int,
+                   device_tokens: list[int], page_size: int) -> tuple[list[dict[str, int]], list[int]]:
+        """`KVBackend.match_many` in one call into the C++ core (``HostCore::match_beyond``)."""
+        if not keys or not self._batched() or any(k[0] != keys[0][0] for k in keys):
+            return super().match_many(keys, tokens, offsets, seed, device_tokens, page_size)
+        ns = self._ns_ids.get(keys[0][0])
+        if ns is None:
+            return [{} for _ in keys], [-1] * len(keys)
+        digests = None
+        if self._caller_digests:
+            digests = to_pairs([d for b in range(len(keys)) for d in page_digests(
+                tokens, offsets[b], offsets[b + 1] - offsets[b], self.config.page_size, seed)])
+        pages, versions = self._core.match_many(ns, [k[1] for k in keys], list(offsets), tokens, as_int64(seed),
+                                                list(device_tokens), digests)
+        asked = [v != -1 and (offsets[b + 1] - offsets[b]) // page_size > device_tokens[b] // page_size
+                 for b, v in enumerate(versions)]
+        return [{"host": p} if a else {} for p, a in zip(pages, asked)], versions
+
     def acquire(self, key: Key, first_page: int, num_pages: int) -> torch.Tensor | None:
         ok, slots = self._core.acquire(self._ns(key), key[1], first_page, num_pages)
         return slots if ok else None

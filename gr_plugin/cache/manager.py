@@ -240,15 +240,27 @@ class KVCacheManager:
             return self._core.lookup(req.user_ids, req.history_offsets, req.tokens, *digests)
         return self._core_lookup(req.user_ids, req.history_offsets, req.tokens)
 
-    def _match_tiers(self, key: Key, req: CacheRequest, b: int, dev: int) -> tuple[dict[str, int], int]:
-        """(tier pages, backend version) for user ``b`` of ``req`` with ``dev`` device tokens."""
-        P = self.config.page_size
-        start, length = req.history_offsets[b], req.history_lengths[b]
-        bver = self.backend.version(key)
-        tiers: dict[str, int] = {}
-        if bver != -1 and length // P > dev // P:
-            tiers = self.backend.match(key, req.tokens, start, length, self._seed, min_pages=dev // P)
-        return tiers, bver
+    def _match_tiers(self, keys: list[Key], req: CacheRequest, batch: list[int],
+                     dev: list[int]) -> tuple[list[dict[str, int]], list[int]]:
+        """(tier pages, backend version) of users ``batch`` of ``req`` with ``dev`` device tokens each
+        (`KVBackend.match_many`: one call for the batch)."""
+        offsets, sub = req.history_offsets, [0]
+        rows = []
+        for b in batch:
+            rows.append(req.tokens[offsets[b] : offsets[b + 1]])
+            sub.append(sub[-1] + offsets[b + 1] - offsets[b])
+        tokens = req.tokens if len(batch) == len(keys) else torch.cat(rows)
+        offs = offsets if len(batch) == len(keys) else sub
+        return self.backend.match_many([keys[b] for b in batch], tokens, offs, self._seed, dev,
+                                       self.config.page_size)
+
+    def _rematch(self, keys: list[Key], req: CacheRequest, batch: list[int], dev: list[int],
+                 host_pages: list[int]) -> None:
+        """Host-tier pages of users ``batch`` again (their entries changed since the lookup)."""
+        if batch:
+            tiers, _ = self._match_tiers(keys, req, batch, [dev[b] for b in batch])
+            for b, t in zip(batch, tiers):
+                host_pages[b] = t.get(self.backend.tier_names[0], 0)
 
     def lookup(self, request: CacheRequest) -> LookupResult:
         """Reusable history tokens per user and tier. Changes no state (not even LRU order)."""
@@ -262,8 +274,10 @@ class KVCacheManager:
             tier_pages: dict[str, list[int]] = {t: [] for t in names}
             fetch = []
             versions = [(v, -1) for v in entry_versions] if self.backend is None else []
+            all_tiers, bvers = (self._match_tiers(keys, request, list(range(len(keys))), dev_tokens)
+                                if self.backend is not None else ([], []))
             for b, key in enumerate(keys if self.backend is not None else ()):
-                tiers, bver = self._match_tiers(key, request, b, dev_tokens[b])
+                tiers, bver = all_tiers[b], bvers[b]
                 versions.append((entry_versions[b], bver))
                 for t in names:
                     tier_pages[t].append(tiers.get(t, 0))
@@ -324,19 +338,18 @@ class KVCacheManager:
             host_pages = [0] * len(keys)
             if backend is not None:
                 host_pages = list(lookup.tier_pages[backend.tier_names[0]])
-                # NOTE: another step changed this user's host pages since the lookup; match again.
-                for b, key in enumerate(keys):
-                    if backend.version(key) != lookup.versions[b][1]:
-                        host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
+                # NOTE: another step changed these users' host pages since the lookup; match again.
+                now_b = backend.versions(keys)
+                self._rematch(keys, req, [b for b in range(len(keys)) if now_b[b] != lookup.versions[b][1]], dev,
+                              host_pages)
             # The core decides (changing nothing on a refusal), evicts and reserves in one call.
             args = (users, totals, dev, seen, host_pages)
             status, value, buffer, info = core_allocate(*args)
             if status == _CHANGED:
                 # NOTE: another step changed a user's device entry since the lookup; match again.
                 dev, now = self._device_match(req)
-                for b, key in enumerate(keys):
-                    if backend is not None and now[b] != seen[b]:
-                        host_pages[b] = self._match_tiers(key, req, b, dev[b])[0].get(backend.tier_names[0], 0)
+                if backend is not None:
+                    self._rematch(keys, req, [b for b in range(len(keys)) if now[b] != seen[b]], dev, host_pages)
                 args = (users, totals, dev, now, host_pages)
                 status, value, buffer, info = core_allocate(*args)
             if status == _NO_FIT:

@@ -74,3 +74,25 @@ def test_core_rejects_bad_hash_shapes():
     with pytest.raises(ValueError, match="must be a contiguous int64 CPU tensor"):
         tier._core.stored_pages(0, 1, to_pairs([1, 2]).float())
     assert tier.stats()["host_reserve_failed"] == 0 and tier.num_free_slots == 4
+
+
+def test_match_many_equals_per_user_matching_with_and_without_caller_digests():
+    tier = _tier(8)
+    tokens = torch.arange(20, dtype=torch.int64).view(10, 2)  # users 1 and 2, 5 rows each (page 2)
+    from gr_plugin.cache.hashing import page_digests
+
+    seed = 7
+    for user, start in ((1, 0), (2, 5)):
+        hashes = page_digests(tokens, start, 5, 2, seed)  # 2 full pages
+        slots = tier.reserve(("ns", user), 0, hashes[:1] if user == 2 else hashes)
+        tier.publish(("ns", user), slots, True)
+    keys, offsets = [("ns", 1), ("ns", 2), ("ns", 3)], [0, 5, 10, 10]
+    expect = ([{"host": 2}, {"host": 1}, {}], [tier.version(k) for k in keys])
+    for device_tokens, want in (([0, 0, 0], expect), ([4, 0, 0], ([{}, {"host": 1}, {}], expect[1]))):
+        got = tier.match_many(keys, tokens, offsets, seed, device_tokens, 2)
+        generic = HostTier.__mro__[1].match_many(tier, keys, tokens, offsets, seed, device_tokens, 2)
+        assert got == generic == want
+        tier._caller_digests = True  # the path of a core built without libxxhash
+        assert tier.match_many(keys, tokens, offsets, seed, device_tokens, 2) == want
+        tier._caller_digests = False
+    assert tier.versions(keys) == expect[1] and expect[1][2] == -1

@@ -233,6 +233,41 @@ int64_t host_match(const Host& self, int64_t ns, int64_t user, const at::Tensor&
   });
 }
 
+// match_many -> (pages, versions) per user: HostCore::match_beyond over a request's histories
+// (tokens [sum(L)(, F)] split by offsets [B+1]); page_digests [sum(L_b // P), 2] when the core
+// cannot hash.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> host_match_many(
+    const Host& self, int64_t ns, std::vector<int64_t> users, std::vector<int64_t> offsets, const at::Tensor& tokens,
+    int64_t seed, std::vector<int64_t> device_tokens, const std::optional<at::Tensor>& page_digests) {
+  return guarded([&] {
+    const int64_t rb = check_tokens(tokens, offsets, users.size());
+    TORCH_CHECK_VALUE(device_tokens.size() == users.size(), "device_tokens has ", device_tokens.size(),
+                      " entries for ", users.size(), " users");
+    const int64_t P = self->core.page_size();
+    const Digest* digests = nullptr;
+    if (page_digests.has_value()) {
+      int64_t num_full = 0;
+      for (size_t b = 0; b < users.size(); ++b) num_full += (offsets[b + 1] - offsets[b]) / P;
+      digests = digest_ptr(*page_digests, num_full, "page_digests");
+    }
+    const auto* base = static_cast<const uint8_t*>(tokens.data_ptr());
+    std::vector<int64_t> pages(users.size()), versions(users.size());
+    int64_t digest_at = 0;
+    for (size_t b = 0; b < users.size(); ++b) {
+      HistoryRef h;
+      h.rows = base + offsets[b] * rb;
+      h.row_bytes = rb;
+      h.length = offsets[b + 1] - offsets[b];
+      if (digests != nullptr) {
+        h.page_digests = digests + digest_at;
+        digest_at += h.length / P;
+      }
+      pages[b] = self->core.match_beyond(ns_id(ns), users[b], h, as_seed(seed), device_tokens[b], &versions[b]);
+    }
+    return std::make_tuple(pages, versions);
+  });
+}
+
 // reserve -> (ok, slots, dropped (ns, user) pairs flattened, dropped users' slots, their hashes [n, 2])
 std::tuple<bool, at::Tensor, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>> host_reserve(
     const Host& self, int64_t ns, int64_t user, int64_t first, const at::Tensor& hashes) {
@@ -409,6 +444,14 @@ TORCH_LIBRARY(gr_kv_core, m) {
       .def("num_users", [](const Host& s) { return s->core.num_users(); })
       .def("match", host_match)
       .def("version", [](const Host& s, int64_t ns, int64_t user) { return s->core.version(ns_id(ns), user); })
+      .def("match_many", host_match_many)
+      .def("versions",
+           [](const Host& s, int64_t ns, std::vector<int64_t> users) {
+             std::vector<int64_t> out;
+             out.reserve(users.size());
+             for (int64_t u : users) out.push_back(s->core.version(ns_id(ns), u));
+             return out;
+           })
       // acquire -> (ok, slots); pins the user until release
       .def("acquire",
            [](const Host& s, int64_t ns, int64_t user, int64_t first, int64_t n) {

@@ -143,6 +143,14 @@ int64_t HostCore::match(int32_t ns, int64_t user, const HistoryRef& history, uin
   return longest_matching_pages(e->hashes.data(), static_cast<int64_t>(e->hashes.size()), history, page_size_, seed);
 }
 
+int64_t HostCore::match_beyond(int32_t ns, int64_t user, const HistoryRef& history, uint64_t seed,
+                               int64_t device_tokens, int64_t* version) const {
+  const int64_t v = this->version(ns, user);
+  if (version != nullptr) *version = v;
+  if (v == -1 || history.length / page_size_ <= device_tokens / page_size_) return 0;
+  return match(ns, user, history, seed, device_tokens / page_size_);
+}
+
 int64_t HostCore::version(int32_t ns, int64_t user) const {
   const Entry* e = find(Key{ns, user});
   return e == nullptr ? -1 : e->version;

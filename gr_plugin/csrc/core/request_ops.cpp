@@ -220,15 +220,13 @@ Request request_of(const at::Tensor& user_ids, const at::Tensor& history_lengths
 // one lock, so the versions cannot change in between (no kChanged).
 AllocResult match_and_allocate(Slot& slot, const Request& q, const HostCore* host) {
   CacheCore& core = slot.core;
-  const int64_t B = q.size(), P = core.page_size();
+  const int64_t B = q.size();
   return guarded([&] {
     std::vector<int64_t> dev(B), versions(B), host_pages(B, 0);
     for (int64_t b = 0; b < B; ++b) {
       dev[b] = core.match(q.users[b], q.refs[b], &versions[b]);
-      // NOTE: the manager's rule: ask the host tier when it holds the user and the history has more
-      // whole pages than the device's tokens cover.
-      if (host != nullptr && host->version(kHostNamespace, q.users[b]) != -1 && q.lengths[b] / P > dev[b] / P) {
-        host_pages[b] = host->match(kHostNamespace, q.users[b], q.refs[b], slot.seed, dev[b] / P);
+      if (host != nullptr) {
+        host_pages[b] = host->match_beyond(kHostNamespace, q.users[b], q.refs[b], slot.seed, dev[b], nullptr);
       }
     }
     return core.allocate(q.users, q.lengths, dev, versions, host_pages);

@@ -25,8 +25,7 @@ HostTier::HostTier(int64_t num_slots, const at::Tensor& kv_table, int64_t page_s
 }
 
 int64_t HostTier::match(int64_t user, const gr_kv_core::HistoryRef& history, int64_t device_tokens) const {
-  if (host_.version(kNamespace, user) == -1 || history.length / page_size_ <= device_tokens / page_size_) return 0;
-  return host_.match(kNamespace, user, history, seed_, device_tokens / page_size_);
+  return host_.match_beyond(kNamespace, user, history, seed_, device_tokens, nullptr);
 }
 
 int64_t HostTier::onboard(const gr_kv_core::AllocResult& plan, const std::vector<int64_t>& users,
