@@ -137,9 +137,7 @@ class HostTier(KVBackend):
                 tokens, offsets[b], offsets[b + 1] - offsets[b], self.config.page_size, seed)])
         pages, versions = self._core.match_many(ns, [k[1] for k in keys], list(offsets), tokens, as_int64(seed),
                                                 list(device_tokens), digests)
-        asked = [v != -1 and (offsets[b + 1] - offsets[b]) // page_size > device_tokens[b] // page_size
-                 for b, v in enumerate(versions)]
-        return [{"host": p} if a else {} for p, a in zip(pages, asked)], versions
+        return [{"host": p} if p >= 0 else {} for p in pages], versions  # -1: the tier was not asked
 
     def acquire(self, key: Key, first_page: int, num_pages: int) -> torch.Tensor | None:
         ok, slots = self._core.acquire(self._ns(key), key[1], first_page, num_pages)

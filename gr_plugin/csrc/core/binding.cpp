@@ -234,8 +234,8 @@ int64_t host_match(const Host& self, int64_t ns, int64_t user, const at::Tensor&
 }
 
 // match_many -> (pages, versions) per user: HostCore::match_beyond over a request's histories
-// (tokens [sum(L)(, F)] split by offsets [B+1]); page_digests [sum(L_b // P), 2] when the core
-// cannot hash.
+// (tokens [sum(L)(, F)] split by offsets [B+1]); pages -1 where the tier was not asked;
+// page_digests [sum(L_b // P), 2] when the core cannot hash.
 std::tuple<std::vector<int64_t>, std::vector<int64_t>> host_match_many(
     const Host& self, int64_t ns, std::vector<int64_t> users, std::vector<int64_t> offsets, const at::Tensor& tokens,
     int64_t seed, std::vector<int64_t> device_tokens, const std::optional<at::Tensor>& page_digests) {
@@ -262,10 +262,26 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> host_match_many(
         h.page_digests = digests + digest_at;
         digest_at += h.length / P;
       }
-      pages[b] = self->core.match_beyond(ns_id(ns), users[b], h, as_seed(seed), device_tokens[b], &versions[b]);
+      bool asked = false;
+      pages[b] = self->core.match_beyond(ns_id(ns), users[b], h, as_seed(seed), device_tokens[b], &versions[b], &asked);
+      if (!asked) pages[b] = -1;
     }
     return std::make_tuple(pages, versions);
   });
+}
+
+// Users a reservation dropped from the host tier, as (ns, user) pairs flattened, their slots, their hashes [n, 2].
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>> dropped_tensors(
+    const std::vector<HostCore::Dropped>& dropped) {
+  std::vector<int64_t> keys;
+  std::vector<at::Tensor> slots, hashes;
+  for (const auto& x : dropped) {
+    keys.push_back(x.ns);
+    keys.push_back(x.user);
+    slots.push_back(to_tensor(x.slots));
+    hashes.push_back(digests_to_tensor(x.hashes));
+  }
+  return std::make_tuple(std::move(keys), std::move(slots), std::move(hashes));
 }
 
 // reserve -> (ok, slots, dropped (ns, user) pairs flattened, dropped users' slots, their hashes [n, 2])
@@ -277,14 +293,7 @@ std::tuple<bool, at::Tensor, std::vector<int64_t>, std::vector<at::Tensor>, std:
     std::vector<int64_t> slots;
     std::vector<HostCore::Dropped> dropped;
     const bool ok = self->core.reserve(ns_id(ns), user, first, d, hashes.size(0), &slots, &dropped);
-    std::vector<int64_t> keys;
-    std::vector<at::Tensor> dslots, dhashes;
-    for (const auto& x : dropped) {
-      keys.push_back(x.ns);
-      keys.push_back(x.user);
-      dslots.push_back(to_tensor(x.slots));
-      dhashes.push_back(digests_to_tensor(x.hashes));
-    }
+    auto [keys, dslots, dhashes] = dropped_tensors(dropped);
     return std::make_tuple(ok, to_tensor(slots), std::move(keys), std::move(dslots), std::move(dhashes));
   });
 }
@@ -481,20 +490,15 @@ TORCH_LIBRARY(gr_kv_core, m) {
                int64_t failed = 0;
                auto items = s->core.reserve_write_through(ns_id(ns), core->core, ns_id(core_ns), users, &dropped,
                                                           &failed);
-               std::vector<int64_t> who, first, keys;
-               std::vector<at::Tensor> pages, slots, dslots, dhashes;
+               std::vector<int64_t> who, first;
+               std::vector<at::Tensor> pages, slots;
                for (const auto& w : items) {
                  who.push_back(w.user);
                  first.push_back(w.first);
                  pages.push_back(to_tensor(w.pages));
                  slots.push_back(to_tensor(w.slots));
                }
-               for (const auto& x : dropped) {
-                 keys.push_back(x.ns);
-                 keys.push_back(x.user);
-                 dslots.push_back(to_tensor(x.slots));
-                 dhashes.push_back(digests_to_tensor(x.hashes));
-               }
+               auto [keys, dslots, dhashes] = dropped_tensors(dropped);
                return std::make_tuple(who, first, pages, slots, keys, dslots, dhashes, failed);
              });
            })

@@ -144,11 +144,12 @@ int64_t HostCore::match(int32_t ns, int64_t user, const HistoryRef& history, uin
 }
 
 int64_t HostCore::match_beyond(int32_t ns, int64_t user, const HistoryRef& history, uint64_t seed,
-                               int64_t device_tokens, int64_t* version) const {
+                               int64_t device_tokens, int64_t* version, bool* asked) const {
   const int64_t v = this->version(ns, user);
   if (version != nullptr) *version = v;
-  if (v == -1 || history.length / page_size_ <= device_tokens / page_size_) return 0;
-  return match(ns, user, history, seed, device_tokens / page_size_);
+  const bool ask = v != -1 && history.length / page_size_ > device_tokens / page_size_;
+  if (asked != nullptr) *asked = ask;
+  return ask ? match(ns, user, history, seed, device_tokens / page_size_) : 0;
 }
 
 int64_t HostCore::version(int32_t ns, int64_t user) const {

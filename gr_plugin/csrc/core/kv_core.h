@@ -318,10 +318,10 @@ class HostCore {
   int64_t version(int32_t ns, int64_t user) const;  // -1: nothing held
   // A lookup's question (the Python manager's, the C++ runner's and the cache ops' rule): the pages
   // of `history` held beyond the device's `device_tokens`, asked only when the tier holds the user
-  // and the history has more whole pages than the device tokens cover (else 0). `*version` gets
-  // version(ns, user).
+  // and the history has more whole pages than the device tokens cover (else 0; `*asked` says which).
+  // `*version` gets version(ns, user).
   int64_t match_beyond(int32_t ns, int64_t user, const HistoryRef& history, uint64_t seed, int64_t device_tokens,
-                       int64_t* version) const;
+                       int64_t* version, bool* asked = nullptr) const;
   // Slots of published pages [first, first + n), pinned until release; false if not all held.
   bool acquire(int32_t ns, int64_t user, int64_t first, int64_t n, std::vector<int64_t>* slots);
   void release(int32_t ns, int64_t user);  // throws if the user is not pinned

@@ -168,6 +168,15 @@ at::Tensor cache_lookup(const at::Tensor& state, const at::Tensor& user_ids, con
   });
 }
 
+// An allocate's kv_indptr [B+1] and kv_indices [M] in its packed metadata buffer (kMetadataFields
+// order: kv_indptr [B+1], kv_last_page_len [B], cached_lengths [B], new_lengths [B], total_lengths
+// [B], new_offsets [B+1], total_offsets [B+1], kv_indices [M], ...).
+const int64_t* kv_indptr_of(const AllocResult& r) { return r.metadata.buffer.data(); }
+const int64_t* kv_indices_of(const AllocResult& r) {
+  const int64_t B = r.metadata.batch_size;
+  return r.metadata.buffer.data() + 3 * (B + 1) + 4 * B;
+}
+
 using PlanTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // (plan [6], kv_indices [M], kv_indptr [B+1], cached_lengths [B], new_token_slots [N]) of an allocate.
@@ -183,13 +192,9 @@ PlanTensors plan_tensors(const AllocResult& r, const std::vector<int64_t>& lengt
     at::Tensor zeros_b = at::zeros({B}, at::TensorOptions().dtype(at::kLong));
     return std::make_tuple(plan, none, zeros_b1, zeros_b, none.clone());
   }
-  // The packed buffer's fields (kMetadataFields order): kv_indptr [B+1], kv_last_page_len [B],
-  // cached_lengths [B], new_lengths [B], total_lengths [B], new_offsets [B+1], total_offsets [B+1],
-  // kv_indices [M], ...
-  const std::vector<int64_t>& buf = r.metadata.buffer;
   const int64_t M = r.metadata.num_batch_pages, N = r.metadata.num_new_tokens, P = page_size;
-  const int64_t* indptr = buf.data();
-  const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
+  const int64_t* indptr = kv_indptr_of(r);
+  const int64_t* indices = kv_indices_of(r);
   std::vector<int64_t> slots;
   slots.reserve(static_cast<size_t>(N));
   for (int64_t b = 0; b < B; ++b) {
@@ -276,9 +281,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const AllocResult r = match_and_allocate(*slot, q, &host);
   std::vector<int64_t> onboard_slots, onboard_pages;
   if (r.status == AllocStatus::kOk) {
-    const std::vector<int64_t>& buf = r.metadata.buffer;
-    const int64_t* indptr = buf.data();
-    const int64_t* indices = indptr + 3 * (B + 1) + 4 * B;
+    const int64_t* indptr = kv_indptr_of(r);
+    const int64_t* indices = kv_indices_of(r);
     std::vector<int64_t>& readers = slot->host_readers[r.plan_id];
     for (int64_t b = 0; b < B; ++b) {
       const int64_t keep = r.keep_pages[b], n = r.onboard_pages[b];
