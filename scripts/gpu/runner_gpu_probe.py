@@ -6,8 +6,9 @@ python3 scripts/gpu/runner_gpu_probe.py [workdir] [tiny|bench]
 (``hstu_small``-shaped, 8 users, 256 events, page 16; `gr_plugin.bench.export`). Exports the model on
 CUDA, records the stream on the CPU (a copy of the model), replays every batch of it in Python
 through the package on a fresh CUDA cache (per-batch max abs diff vs the stream's scores), then runs
-the C++ runner on it with ``--device cuda --verbose``, ``CUDA_LAUNCH_BLOCKING=1`` and AOTInductor's
-input checks on (its stderr, so the failing batch and kernel show).
+the C++ runner on it with ``--device cuda --verbose``: plain, with ``CUDA_LAUNCH_BLOCKING=1`` and
+AOTInductor's input checks, and under ``compute-sanitizer`` (its stderr, so the failing batch and kernel
+show).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def bench_setup():
                      n_norm=512.0)
     torch.manual_seed(0)
     cpu_model = HSTURanker(cfg).eval()
-    batch, steps, new = 8, 6, 8
+    batch, steps, new = 8, int(os.environ.get("PROBE_STEPS", "23")), 8  # the bench: 3 warm-ups + 20 steps
     pages = 4 * batch * (-(-(256 + steps * new) // 16) + 1)
     ex = _Stream(cfg, batch, seed=99)
     ex.grow(256)
@@ -112,11 +113,15 @@ def main() -> None:
         print(f"python package batch {t}: cached {plan.cached_lengths} max abs diff {(got - want).abs().max():.3g}",
               flush=True)
     exe = build_runner()
-    for extra in ({"CUDA_LAUNCH_BLOCKING": "1"}, {"CUDA_LAUNCH_BLOCKING": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}):
-        proc = subprocess.run([str(exe), "--package", str(package), "--stream", str(stream), "--ops", load_library(),
-                               "--device", DEVICE, "--verbose", "--tolerance", "1e-4"], capture_output=True, text=True,
-                              env={**os.environ, **extra}, timeout=300)
-        print("runner", extra, "exit", proc.returncode)
+    cmd = [str(exe), "--package", str(package), "--stream", str(stream), "--ops", load_library(), "--device", DEVICE,
+           "--verbose", "--tolerance", "1e-4"]
+    sanitizer = ["compute-sanitizer", "--tool", "memcheck", "--print-limit", "5"]
+    for prefix, extra in (([], {}), ([], {"CUDA_LAUNCH_BLOCKING": "1", "AOTI_RUNTIME_CHECK_INPUTS": "1"}),
+                          (sanitizer, {})):
+        if prefix and DEVICE == "cpu":
+            continue
+        proc = subprocess.run(prefix + cmd, capture_output=True, text=True, env={**os.environ, **extra}, timeout=400)
+        print("runner", prefix[:1], extra, "exit", proc.returncode)
         print(proc.stdout[-3000:])
         print(proc.stderr[-5000:], flush=True)
 
