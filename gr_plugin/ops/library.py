@@ -144,25 +144,31 @@ def _triton(name: str) -> types.ModuleType:
 
 # ---- eager CUDA kernels: the Triton launchers, called directly ----
 
-@torch.library.register_kernel("gr_kv::append_kv", "cuda")
-def _(kv_layer, k, v, slots, rows) -> None:
-    check_append(kv_layer, k, v, slots, rows)
-    _triton("append_kv").append_kv(kv_layer, k, v, slots, rows)
-
-
-def _paged_cuda(tri, q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha,
-                n_norm, **kw):
+def _paged_cuda(tri, q, k, v, kv, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths, alpha,
+                n_norm, layer=None, **kw):
+    """``kv``: one layer's table, or the whole table and ``layer`` (the kernel gets the whole table)."""
+    kv_layer = kv if layer is None else _layer(kv, layer)
     check_paged(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
-    return tri.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
+    return tri.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, history_lengths, q_offsets,
                                     new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=q.shape[0],
                                     max_history_len=kv_layer.shape[0] * kv_layer.shape[2], num_history_tokens=0,
-                                    **kw)
+                                    layer=layer, **kw)
+
+
+def _append_cuda(tri, kv, k, v, slots, rows, layer=None) -> None:
+    check_append(kv if layer is None else _layer(kv, layer), k, v, slots, rows)
+    tri.append_kv(kv, k, v, slots, rows, layer=layer)
 
 
 def _jagged_cuda(tri, q, k, v, seq_offsets, num_candidates, alpha, n_norm, **kw):
     check_jagged(q, k, v, seq_offsets, num_candidates)
     return tri.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                      max_seq_len=q.shape[0], **kw)
+
+
+@torch.library.register_kernel("gr_kv::append_kv", "cuda")
+def _(kv_layer, k, v, slots, rows) -> None:
+    _append_cuda(_triton("append_kv"), kv_layer, k, v, slots, rows)
 
 
 @torch.library.register_kernel("gr_kv::paged_hstu_attention", "cuda")
@@ -177,14 +183,12 @@ def _(*args):
 
 @torch.library.register_kernel("gr_kv::append_kv_layer", "cuda")
 def _(kv_table, layer, k, v, slots, rows) -> None:
-    kv_layer = _layer(kv_table, layer)
-    check_append(kv_layer, k, v, slots, rows)
-    _triton("append_kv").append_kv(kv_layer, k, v, slots, rows)
+    _append_cuda(_triton("append_kv"), kv_table, k, v, slots, rows, layer=layer)
 
 
 @torch.library.register_kernel("gr_kv::paged_hstu_attention_layer", "cuda")
 def _(q, k, v, kv_table, layer, *rest):
-    return _paged_cuda(_triton("hstu_attention"), q, k, v, _layer(kv_table, layer), *rest)
+    return _paged_cuda(_triton("hstu_attention"), q, k, v, kv_table, *rest, layer=layer)
 
 
 # ---- CUDA inside compiled graphs: the same launchers, their kernels wrapped with wrap_triton ----
@@ -210,15 +214,18 @@ def traceable_triton(name: str) -> types.SimpleNamespace:
 
 def _decomposed(op_name: str, args: tuple):
     """The traced body of a CUDA call. NOTE: ``num_splits=1``: the launchers' split heuristic compares
-    symbolic sizes (and takes ``bit_length`` of one), which dynamic shapes cannot do."""
-    if op_name == "append_kv_layer":  # the same kernels on the layer's view of the table
-        op_name, args = "append_kv", (_layer(args[0], args[1]), *args[2:])
-    elif op_name == "paged_hstu_attention_layer":
-        op_name, args = "paged_hstu_attention", (*args[:3], _layer(args[3], args[4]), *args[5:])
+    symbolic sizes (and takes ``bit_length`` of one), which dynamic shapes cannot do. The whole-table
+    ops pass the table itself, never a per-layer view: Inductor re-inplaces a kernel's write to a
+    graph input, while through a view (``select``, then ``select_scatter`` into the table) it may
+    clone the whole table for every layer (and AOTInductor built with torch 2.11 read past the end of
+    such a copy on the H200: docs/EXPORT.md)."""
+    if op_name == "append_kv_layer":
+        return _append_cuda(traceable_triton("append_kv"), args[0], *args[2:], layer=args[1])
     if op_name == "append_kv":
-        check_append(*args)
-        return traceable_triton("append_kv").append_kv(*args)
+        return _append_cuda(traceable_triton("append_kv"), *args)
     tri = traceable_triton("hstu_attention")
+    if op_name == "paged_hstu_attention_layer":
+        return _paged_cuda(tri, *args[:4], *args[5:], layer=args[4], num_splits=1)
     if op_name == "paged_hstu_attention":
         return _paged_cuda(tri, *args, num_splits=1)
     return _jagged_cuda(tri, *args, num_splits=1)

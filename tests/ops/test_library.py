@@ -181,18 +181,30 @@ table = torch.stack([p["kv_layer"], p["kv_layer"]]) if WHOLE_TABLE else p["kv_la
 args = (table, p["q"], p["k"], p["v"], torch.tensor([63, 62]), torch.tensor([0, 1]), p["kv_indices"],
         p["kv_indptr"], p["history_lengths"], p["q_offsets"], p["new_lengths"])
 gm, sig = aot_export_module(Step(), args, trace_joint=False)
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+kernels = []
+for n in gm.graph.nodes:
+    if "triton_kernel_wrapper_functional" in str(n.target):
+        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        kv = n.kwargs["kwargs"]["KV"]
+        kernels.append({"kernel": kernel.fn.__name__, "KV": kv.name if kv.op == "placeholder" else str(kv.target),
+                        "layer_pages": n.kwargs["kwargs"]["layer_pages"]})
 json.dump({"targets": sorted({str(n.target) for n in gm.graph.nodes}),
            "mutated": sorted(sig.user_inputs_to_mutate.values()),
-           "selects": sorted({tuple(n.args[1:]) for n in gm.graph.nodes if str(n.target) == "aten.select.int"
-                              and str(n.args[0]) == "arg0_1"})}, sys.stdout)
+           "pages": table.shape[-5], "kernels": kernels,
+           "table_views": sorted({str(n.target) for n in gm.graph.nodes
+                                  if any(str(a) == "arg0_1" for a in n.args) and "triton" not in str(n.target)})},
+          sys.stdout)
 """
 
 
 @pytest.mark.parametrize("form", ["view", "layer"])
 def test_cuda_calls_decompose_into_triton_kernels_for_inductor(form):
     """What Inductor (AOTInductor's compile) traces for a CUDA call: the Triton kernels as
-    ``triton_kernel_wrapper_functional`` nodes (compiled into the package), no gr_kv op, and the
-    append's write to the table kept as an input mutation. Traced with fake tensors only (no kernel
+    ``triton_kernel_wrapper_functional`` nodes (compiled into the package), no gr_kv op, the
+    append's write to the table kept as an input mutation, and the kernels given the table itself
+    (layer ``layer`` as a page offset), not a per-layer view. Traced with fake tensors only (no kernel
     runs), in a fresh process: Triton's interpreter (set for the tests) makes kernels untraceable."""
     import json
     import os
@@ -211,8 +223,16 @@ def test_cuda_calls_decompose_into_triton_kernels_for_inductor(form):
     # NOTE: without a GPU driver Triton cannot analyse which arguments a kernel writes, so every
     # argument counts as mutated; the table must be among them (on a GPU it is the only one).
     assert "arg0_1" in got["mutated"]
-    if form == "layer":  # the kernels get layer 1 of the table (a layer mix-up would not show in the mutation)
-        assert got["selects"] == [[0, 1]], got
+    append, attention = got["kernels"]
+    assert (append["kernel"], attention["kernel"]) == ("_append", "_hstu_fwd"), got
+    # the append writes into the input itself and the attention reads what it wrote
+    assert append["KV"] == "arg0_1" and "getitem" in attention["KV"], got
+    # NOTE: no view of the table at all (a select, then a select_scatter back, is what made Inductor
+    # copy the whole table for every layer); only the copy back of the mutated input, if any, may use it
+    assert set(got["table_views"]) <= {"aten.copy_.default"}, got
+    # layer 1 of the table: its pages follow layer 0's (a layer mix-up would not show in the mutation)
+    want = got["pages"] if form == "layer" else 0
+    assert append["layer_pages"] == attention["layer_pages"] == want, got
 
 
 def _table(pages=7, dtype=torch.float32):

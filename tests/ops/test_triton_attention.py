@@ -79,6 +79,32 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_whole_table_form_equals_the_layer_view(layer):
+    """The kernels given the whole table ``[L, num_pages, ...]`` and a layer (what the exported stack's
+    ops pass, gr_plugin/ops/library.py) read and write exactly what they do given that layer's view:
+    equal attention output, the append's tokens in that layer only, every other layer untouched."""
+    from gr_plugin.ops.triton import append_kv as tri_append
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _, p = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 8, 2, 16, torch.float32, dev)
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(3, *p["kv_layer"].shape, generator=g).to(dev)
+    table[layer] = p["kv_layer"]
+    before = table.clone()
+    whole = run(tri, "paged", {**p, "kv_layer": table, "layer": layer})
+    torch.testing.assert_close(whole, run(tri, "paged", p), rtol=0, atol=0)
+    slots, rows = torch.tensor([5, 90, 31], device=dev), torch.tensor([2, 0, 7], device=dev)
+    tri_append.append_kv(table, p["k"], p["v"], slots, rows, layer=layer)
+    view = p["kv_layer"].clone()
+    tri_append.append_kv(view, p["k"], p["v"], slots, rows)
+    assert torch.equal(table[layer], view) and not torch.equal(view, p["kv_layer"])
+    others = [i for i in range(3) if i != layer]
+    assert torch.equal(table[others], before[others])
+    with pytest.raises(ValueError, match="layers must follow each other"):
+        tri_append.append_kv(table.transpose(0, 1), p["k"], p["v"], slots, rows, layer=layer)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["jagged", "paged"])
 @pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (128, 64)])

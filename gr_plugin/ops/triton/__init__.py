@@ -1,1 +1,24 @@
 """Triton kernels (GPU; also run by the CPU tests under ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, ...]]:
+    """``(layer_pages, (stride_pp, stride_pkv, stride_pt, stride_ph))`` of a paged K/V table for the
+    kernels: ``kv`` is one layer ``[num_pages, 2, P, H, D]`` (``layer`` None) or the whole table
+    ``[L, num_pages, 2, P, H, D]`` and ``layer`` one of its layers. The kernels take the whole table
+    itself, not a per-layer view, so a compiled graph (Inductor, AOTInductor) mutates its input in
+    place instead of copying the table around each layer's write; page ``p`` of layer ``layer`` is
+    page ``layer_pages + p`` of the table seen as ``[L * num_pages, 2, P, H, D]``."""
+    if layer is None:
+        if kv.dim() != 5:
+            raise ValueError(f"kv_layer must be [num_pages, 2, P, H, D], got {tuple(kv.shape)}")
+        return 0, tuple(kv.stride()[:4])
+    if kv.dim() != 6:
+        raise ValueError(f"kv_table must be [L, num_pages, 2, P, H, D], got {tuple(kv.shape)}")
+    if kv.stride(0) != kv.shape[1] * kv.stride(1):
+        raise ValueError(f"kv_table's layers must follow each other page after page, got shape {tuple(kv.shape)} "
+                         f"and strides {kv.stride()}")
+    return layer * kv.shape[1], tuple(kv.stride()[1:5])

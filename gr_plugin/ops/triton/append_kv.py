@@ -12,14 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.triton import table_layout
+
 
 @triton.jit
-def _append(K, V, KV, rows, slots, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
+def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
             PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows + i).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
-    dst = (slot // PAGE_SIZE) * stride_pp + (slot % PAGE_SIZE) * stride_pt
+    dst = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
     for c0 in range(0, WIDTH, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         ok = c < WIDTH
@@ -28,21 +30,23 @@ def _append(K, V, KV, rows, slots, stride_kt, stride_vt, stride_pp, stride_pkv, 
 
 
 def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              rows: torch.Tensor | None = None) -> None:
-    """``kv_layer[slot_i] = (k[rows_i], v[rows_i])``; ``rows`` None means ``arange(len(slots))``."""
+              rows: torch.Tensor | None = None, layer: int | None = None) -> None:
+    """``kv_layer[slot_i] = (k[rows_i], v[rows_i])``; ``rows`` None means ``arange(len(slots))``.
+    With ``layer``, ``kv_layer`` is the whole table ``[L, num_pages, 2, P, H, D]`` and the tokens go
+    into that layer (`table_layout`)."""
     n = slots.numel()
     if n == 0:
         return
     if rows is None:
         rows = torch.arange(n, device=slots.device)
-    _, _, page_size, heads, dim = kv_layer.shape
+    page_size, heads, dim = kv_layer.shape[-3:]
     width = heads * dim
     for name, t in (("k", k), ("v", v)):
         if t.stride(-1) != 1 or t.stride(-2) != dim:
             raise ValueError(f"{name} must have contiguous [H, D] rows, got strides {t.stride()}")
     if kv_layer.stride(-1) != 1 or kv_layer.stride(-2) != dim:
         raise ValueError(f"kv_layer must have contiguous [H, D] rows, got strides {kv_layer.stride()}")
-    sp = kv_layer.stride()
+    layer_pages, sp = table_layout(kv_layer, layer)
     block = min(1024, triton.next_power_of_2(width))
-    _append[(n,)](k, v, kv_layer, rows, slots, k.stride(0), v.stride(0), sp[0], sp[1], sp[2],
+    _append[(n,)](k, v, kv_layer, rows, slots, layer_pages, k.stride(0), v.stride(0), sp[0], sp[1], sp[2],
                   PAGE_SIZE=page_size, WIDTH=width, BLOCK=block, num_warps=4)

@@ -18,24 +18,27 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.triton import table_layout
+
 
 @triton.jit
-def _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh, stride_vt, stride_vh,
-             stride_pp, stride_pkv, stride_pt, stride_ph,
+def _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh, stride_vt,
+             stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
              PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """K and V ``[BLOCK_N, HEAD_DIM]`` of history positions ``n0..n0+BLOCK_N`` (zeros past ``kv_hi``)."""
+    """K and V ``[BLOCK_N, HEAD_DIM]`` of history positions ``n0..n0+BLOCK_N`` (zeros past ``kv_hi``);
+    a page index ``p`` of ``kv_indices`` is page ``layer_pages + p`` of ``KV``."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < kv_hi
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:  # the whole block lies in one page: one index, contiguous rows
-            page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64)
+            page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64) + layer_pages
             base = page * stride_pp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_pt \
                 + h * stride_ph
         elif MASKED:
-            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64) + layer_pages
             base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
         else:
-            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE).to(tl.int64)
+            page = tl.load(kv_indices + page_base + cols // PAGE_SIZE).to(tl.int64) + layer_pages
             base = page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph
         k_ptrs = KV + base[:, None] + d[None, :]
         v_ptrs = KV + stride_pkv + base[:, None] + d[None, :]
@@ -82,7 +85,7 @@ def _accumulate(acc, p, v, IEEE: tl.constexpr):
 
 @triton.jit
 def _hstu_fwd(
-    Q, K, V, Out, KV, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens,
+    Q, K, V, Out, KV, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
@@ -119,14 +122,14 @@ def _hstu_fwd(
     q_min = tl.min(tl.where(row_ok, qpos, hist), axis=0)
     full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ((q_min + 1) // BLOCK_N) * BLOCK_N))
     for n0 in range(kv_lo, full_hi, BLOCK_N):
-        k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
+        k, v = _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, False)
         acc = _accumulate(acc, _weights(q, k, alpha, inv_norm, IEEE, FAST), v, IEEE)
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
-        k, v = _load_kv(K, V, KV, kv_indices, page_base, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
+        k, v = _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, True)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
@@ -173,7 +176,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
-            max_kv_len=None, num_splits=None, blocks=None, fast=None):
+            max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None):
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -194,19 +197,18 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if nq == 0 or bsz == 0:
         return out.to(q.dtype)
     if paged:
-        page_size = kv.shape[2]
-        sp = kv.stride()
+        page_size = kv.shape[-3]
+        if kv.stride(-1) != 1:
+            raise ValueError(f"kv_layer must have a contiguous last dimension, got strides {kv.stride()}")
+        layer_pages, strides = table_layout(kv, layer)
         kv_arg, idx, ptr = kv, kv_indices, kv_indptr
-        if sp[-1] != 1:
-            raise ValueError(f"kv_layer must have a contiguous last dimension, got strides {sp}")
-        strides = (sp[0], sp[1], sp[2], sp[3])
     else:
-        page_size, kv_arg, idx, ptr, strides = 1, k, q_offsets, q_offsets, (0, 0, 0, 0)
+        page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
     grid = (m_blocks * num_splits, bsz, heads)
     _hstu_fwd[grid](
-        q, k, v, out, kv_arg, idx, ptr, q_offsets, hist_lens, new_lens,
+        q, k, v, out, kv_arg, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -229,7 +231,8 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """Cached-step HSTU attention over paged history K/V ``[num_pages, 2, P, H, D]``."""
+                         num_splits: int | None = None, layer: int | None = None) -> torch.Tensor:
+    """Cached-step HSTU attention over paged history K/V ``kv_layer [num_pages, 2, P, H, D]``, or
+    layer ``layer`` of the whole table ``[L, num_pages, 2, P, H, D]`` (`table_layout`)."""
     return _launch(q, k, v, kv_layer, kv_indices, kv_indptr, q_offsets, history_lengths, new_lengths, alpha, n_norm,
-                   max_q_len, paged=True, max_kv_len=max_history_len, num_splits=num_splits)
+                   max_q_len, paged=True, max_kv_len=max_history_len, num_splits=num_splits, layer=layer)
