@@ -80,14 +80,15 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
 
 
 @pytest.mark.parametrize("layer", [0, 2])
-def test_whole_table_form_equals_the_layer_view(layer):
+@pytest.mark.parametrize("page_size", [8, 64])  # 64: a key block within one page (the kernel's one-index branch)
+def test_whole_table_form_equals_the_layer_view(layer, page_size):
     """The kernels given the whole table ``[L, num_pages, ...]`` and a layer (what the exported stack's
     ops pass, gr_plugin/ops/library.py) read and write exactly what they do given that layer's view:
     equal attention output, the append's tokens in that layer only, every other layer untouched."""
     from gr_plugin.ops.triton import append_kv as tri_append
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    _, p = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 8, 2, 16, torch.float32, dev)
+    _, p = build([37, 0, 90], [3, 2, 1], [20, 0, 64], page_size, 2, 16, torch.float32, dev)
     g = torch.Generator().manual_seed(5)
     table = torch.randn(3, *p["kv_layer"].shape, generator=g).to(dev)
     table[layer] = p["kv_layer"]
@@ -103,6 +104,10 @@ def test_whole_table_form_equals_the_layer_view(layer):
     assert torch.equal(table[others], before[others])
     with pytest.raises(ValueError, match="layers must follow each other"):
         tri_append.append_kv(table.transpose(0, 1), p["k"], p["v"], slots, rows, layer=layer)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=rf"layer {bad} is outside \[0, 3\)"):
+            tri_append.append_kv(table, p["k"], p["v"], slots, rows, layer=bad)
+    assert torch.equal(table[others], before[others])
 
 
 @pytest.mark.gpu

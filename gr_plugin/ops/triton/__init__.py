@@ -18,6 +18,8 @@ def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, .
         return 0, tuple(kv.stride()[:4])
     if kv.dim() != 6:
         raise ValueError(f"kv_table must be [L, num_pages, 2, P, H, D], got {tuple(kv.shape)}")
+    if not 0 <= layer < kv.shape[0]:
+        raise ValueError(f"layer {layer} is outside [0, {kv.shape[0]}) (layers of kv_table)")
     if kv.stride(0) != kv.shape[1] * kv.stride(1):
         raise ValueError(f"kv_table's layers must follow each other page after page, got shape {tuple(kv.shape)} "
                          f"and strides {kv.stride()}")
