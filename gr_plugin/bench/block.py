@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -318,14 +319,18 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
     return rows
 
 
-def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str) -> float:
+def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str,
+                raw_copies: bool = True) -> tuple[float, float]:
     """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the 8
-    layer replays, event. ``mode``: ``gpu`` (the pages are on the device), ``host`` (onboarded from
-    the host tier, every layer's pages before the first layer) or ``layerwise`` (layer ``l`` waits
-    only for its own pages). The lookup and allocate before the first event are not timed."""
+    layer replays, event; and the median host µs of the onboard launch. ``mode``: ``gpu`` (the pages
+    are on the device), ``host`` (onboarded from the host tier, every layer's pages before the first
+    layer) or ``layerwise`` (layer ``l`` waits only for its own pages). ``raw_copies`` False: the
+    transfer engine launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``.
+    The lookup and allocate before the first event are not timed."""
     m = blk.cache
     page = m.config.page_size
-    times = []
+    times, launch = [], []
+    m.transfer.raw_copies = raw_copies
     for _ in range(repeats + 2):
         if mode != "gpu":
             m.evict([1])
@@ -335,7 +340,9 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         handle = m.onboard_launch(plan) if mode != "gpu" else None
+        launch.append((time.perf_counter() - t0) * 1e6)
         step.load(plan)
         if mode == "layerwise":
             step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
@@ -348,7 +355,8 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
         times.append(a.elapsed_time(b))
         m.abort(plan)
         m.offload_flush()
-    return statistics.median(times[2:])
+    m.transfer.raw_copies = True
+    return statistics.median(times[2:]), statistics.median(launch[2:])
 
 
 def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int, repeats: int) -> dict[str, Any]:
@@ -367,10 +375,14 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
         step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)
         replays = _time_ms(step.run, repeats)
         m.abort(plan)
-        row = {"tokens": tokens, "cached": cached, "gpu_hit_replays_ms": replays,
-               **{f"{k}_ms": _request_ms(blk, step, tokens, cached, repeats, mode)
-                  for k, mode in (("gpu_hit", "gpu"), ("host_hit", "host"), ("host_hit_layerwise", "layerwise"))},
-               "transfer_floor_ms": floor}
+        row = {"tokens": tokens, "cached": cached, "gpu_hit_replays_ms": replays}
+        for key, mode, raw in (("gpu_hit", "gpu", True), ("host_hit", "host", True),
+                               ("host_hit_layerwise", "layerwise", True),
+                               ("host_hit_layerwise_tensor_copy", "layerwise", False)):
+            row[f"{key}_ms"], launch_us = _request_ms(blk, step, tokens, cached, repeats, mode, raw)
+            if mode == "layerwise":
+                row[f"{key}_launch_us"] = launch_us
+        row["transfer_floor_ms"] = floor
     row["layerwise_vs_bound"] = row["host_hit_layerwise_ms"] / max(row["gpu_hit_ms"], floor)
     m.close()
     return row
@@ -403,5 +415,6 @@ def run(parts=("block", "transfer", "tiers"), block_kwargs=None, transfer_kwargs
 COLUMNS = ["part", "head_dim", "page", "batch", "history", "cached", "full_ms", "full_graph_ms", "cached_ms",
            "cached_graph_ms", "speedup", "cached_tflops", "full_tflops", "matmul_peak_tflops", "tokens",
            "onboard_gbs", "raw_h2d_gbs", "onboard_vs_raw", "offload_gbs", "raw_d2h_gbs", "offload_vs_raw",
-           "gpu_hit_replays_ms", "gpu_hit_ms", "host_hit_ms", "host_hit_layerwise_ms", "transfer_floor_ms",
+           "gpu_hit_replays_ms", "gpu_hit_ms", "host_hit_ms", "host_hit_layerwise_ms", "host_hit_layerwise_launch_us",
+           "host_hit_layerwise_tensor_copy_ms", "host_hit_layerwise_tensor_copy_launch_us", "transfer_floor_ms",
            "layerwise_vs_bound"]

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from gr_plugin.cache.cudart import raw_copier
 from gr_plugin.cache.paged_ops import copy_pages
 
 logger = logging.getLogger(__name__)
@@ -220,15 +221,17 @@ class CudaTransferEngine(TransferEngine):
     """Copies between a CUDA table and a pinned host table on dedicated streams, per-layer events.
 
     Host slots are read and written in runs of consecutive slots, each run of a layer one
-    ``cudaMemcpyAsync`` straight from/to the pinned host table (the host tier allocates a user's
+    ``cudaMemcpyAsync`` (launched raw through ctypes where it can be: `gr_plugin.cache.cudart`)
+    straight from/to the pinned host table (the host tier allocates a user's
     pages as one run when it can); the device side goes through a device staging buffer and one
     gather/scatter kernel. When the host side is badly fragmented (more than ``max_runs`` runs) it
     falls back to gathering on the host into pinned staging first.
     """
 
-    def __init__(self, device: torch.device, max_runs: int = 64) -> None:
+    def __init__(self, device: torch.device, max_runs: int = 64, raw_copies: bool = True) -> None:
         self.device = device
         self.max_runs = max_runs
+        self.raw_copies = raw_copies  # False: every copy through Tensor.copy_ (the bench compares both)
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
 
@@ -250,12 +253,17 @@ class CudaTransferEngine(TransferEngine):
         events = []
         if len(both) <= self.max_runs:
             # NOTE: host slots and device pages both consecutive: copy straight into the pages. The
-            # per-layer views of each run come from one slice + unbind (host time is the launch's cost).
-            pairs = [(dst[:, d0 : d0 + length].unbind(0), src[:, s0 : s0 + length].unbind(0))
-                     for s0, d0, length in both]
+            # launch's host time is what delays the first layer: one raw cudaMemcpyAsync per layer and
+            # run (gr_plugin.cache.cudart), else per-layer views from one slice + unbind per run.
+            raw = raw_copier(src, dst) if self.raw_copies else None
+            pairs = [] if raw is not None else [(dst[:, d0 : d0 + length].unbind(0),
+                                                 src[:, s0 : s0 + length].unbind(0)) for s0, d0, length in both]
             with torch.cuda.stream(stream):
                 stream.wait_stream(caller)
                 for layer in range(num_layers):
+                    if raw is not None:
+                        for s0, d0, length in both:
+                            raw(layer, s0, d0, length, stream)
                     for d, s in pairs:
                         d[layer].copy_(s[layer], non_blocking=True)
                     ev = torch.cuda.Event()
@@ -286,11 +294,15 @@ class CudaTransferEngine(TransferEngine):
         stream = self.d2h_stream
         both = joint_runs(src_pages.tolist(), dst_pages.tolist())
         if len(both) <= self.max_runs and dst.is_pinned():
+            raw = raw_copier(src, dst) if self.raw_copies else None
             with torch.cuda.stream(stream):
                 stream.wait_stream(caller)
                 for layer in range(src.shape[0]):
                     for s0, d0, length in both:
-                        dst[layer, d0 : d0 + length].copy_(src[layer, s0 : s0 + length], non_blocking=True)
+                        if raw is not None:
+                            raw(layer, s0, d0, length, stream)
+                        else:
+                            dst[layer, d0 : d0 + length].copy_(src[layer, s0 : s0 + length], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             return _CudaHandle([ev], src_pages.numel(), None)

@@ -45,3 +45,17 @@ def test_copy_pages_moves_one_layer_only():
     paged_ops.copy_pages(src, torch.tensor([4, 0]), dst, torch.tensor([1, 3]), layer=1)
     assert torch.equal(dst[1, 1], src[1, 4]) and torch.equal(dst[1, 3], src[1, 0])
     assert dst[0].abs().sum() == 0 and dst[1, 0].abs().sum() == 0
+
+
+def test_raw_copies_need_a_cuda_runtime_and_whole_page_runs():
+    """`gr_plugin.cache.cudart` on a machine without CUDA: no runtime, no raw copier (the transfer
+    engine then copies with ``Tensor.copy_``); the page layout a raw copy needs is read from strides."""
+    from gr_plugin.cache import cudart
+
+    table = torch.zeros(3, 5, 2, 4, 2, 8)
+    base, layer_bytes, page_bytes = cudart.page_layout(table)
+    assert (base, layer_bytes, page_bytes) == (table.data_ptr(), 5 * 128 * 4, 128 * 4)
+    assert cudart.page_layout(table.transpose(1, 2)) is None  # pages not contiguous
+    assert cudart.page_layout(torch.zeros(3, 0, 2, 4, 2, 8)) is None
+    if not torch.cuda.is_available():
+        assert cudart.runtime() is None and cudart.raw_copier(table, table) is None

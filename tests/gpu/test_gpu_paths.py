@@ -56,6 +56,36 @@ def test_cuda_round_trip_device_host_device_layerwise_and_no_syncs():
     m.check()
 
 
+def test_raw_page_copies_equal_tensor_copies_and_are_used():
+    """The transfer engine's raw ``cudaMemcpyAsync`` launches (gr_plugin.cache.cudart) move exactly
+    the bytes ``Tensor.copy_`` does, both ways, over runs of pages of every layer; where they cannot
+    (pageable host memory, another dtype, pages not contiguous) there is no raw copier."""
+    from gr_plugin.cache import cudart
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    assert cudart.runtime() is not None, "the CUDA runtime torch loaded was not found: every copy goes through copy_"
+    g = torch.Generator().manual_seed(0)
+    host = torch.randn(3, 20, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    src, dst = torch.tensor([3, 4, 5, 9, 10, 0]), torch.tensor([7, 8, 9, 1, 2, 30])
+    results = []
+    for raw in (True, False):
+        engine = CudaTransferEngine(torch.device("cuda"), raw_copies=raw)
+        dev = torch.zeros(3, 40, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+        engine.copy(host, src, dev, dst).wait()
+        back = torch.zeros_like(host).pin_memory()
+        engine.copy(dev, dst, back, src).wait()
+        results.append((dev.cpu(), back))
+    (dev_raw, back_raw), (dev_copy, back_copy) = results
+    assert torch.equal(dev_raw, dev_copy) and torch.equal(back_raw, back_copy)
+    assert torch.equal(dev_raw[:, dst], host[:, src]) and dev_raw[:, [0, 3, 39]].abs().sum() == 0
+    assert torch.equal(back_raw[:, src], host[:, src]) and back_raw[:, [1, 2, 19]].abs().sum() == 0
+    cuda_table = torch.zeros(3, 40, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    assert cudart.raw_copier(host, cuda_table) is not None
+    assert cudart.raw_copier(host.clone(), cuda_table) is None  # pageable
+    assert cudart.raw_copier(host.float().pin_memory(), cuda_table) is None
+    assert cudart.raw_copier(host, cuda_table.transpose(2, 3)) is None
+
+
 def _model_pair(dtype):
     from gr_plugin.cache import KVCacheConfig
     from gr_plugin.modules import KVCacheModule

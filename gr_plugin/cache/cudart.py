@@ -1,0 +1,92 @@
+"""``cudaMemcpyAsync`` of the CUDA runtime torch already loaded, called through ctypes.
+
+Owns finding that runtime and launching raw copies of contiguous byte ranges on a stream. A copy
+launched this way costs about a microsecond of host time, against ~10 µs for ``Tensor.copy_``
+through the dispatcher; the transfer engine launches one per layer and run of pages, on the request
+path, so that host time delays the first layer of a layerwise onboard (docs/BENCHMARKS.md, tiers).
+The caller keeps both tensors alive until the copy has run and orders it with events, as for any
+``non_blocking`` copy; `runtime` answers None where the runtime cannot be found (no CUDA, a
+statically linked runtime), and callers then use ``Tensor.copy_``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+H2D, D2H = 1, 2  # cudaMemcpyKind
+
+
+class Runtime:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._memcpy = lib.cudaMemcpyAsync
+        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
+        self.path = getattr(lib, "_name", "")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: torch.cuda.Stream) -> None:
+        err = self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"cudaMemcpyAsync({nbytes} bytes, kind {kind}) failed with CUDA error {err}")
+
+
+@functools.cache
+def runtime() -> Runtime | None:
+    """The CUDA runtime library this process loaded (found in ``/proc/self/maps`` once CUDA is
+    initialised), or None."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            rt = Runtime(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+        except (OSError, AttributeError) as exc:
+            logger.debug("cannot use %s: %s", path, exc)
+            continue
+        logger.debug("raw page copies through %s", path)
+        return rt
+    return None
+
+
+def page_layout(table: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(address, bytes per layer, bytes per page)`` of a table ``[L, num_pages, ...]`` whose pages
+    are contiguous and follow each other in each layer (so a run of pages of one layer is one byte
+    range), else None."""
+    if table.dim() < 3 or table.shape[0] == 0 or table.shape[1] == 0 or not table[0, 0].is_contiguous():
+        return None
+    page = table[0, 0].numel()
+    if table.stride(1) != page:
+        return None
+    size = table.element_size()
+    return table.data_ptr(), table.stride(0) * size, page * size
+
+
+def raw_copier(src: torch.Tensor, dst: torch.Tensor):
+    """``copy(layer, src_page, dst_page, count, stream)``: a raw copy of a run of pages of one layer
+    from ``src`` to ``dst`` (one pinned host table, one CUDA table, the same page layout and dtype),
+    or None where a raw copy cannot do it (then use ``Tensor.copy_``)."""
+    rt = runtime()
+    host = src if dst.is_cuda else dst
+    if rt is None or src.dtype != dst.dtype or src.shape[2:] != dst.shape[2:] or not host.is_pinned() or \
+            src.is_cuda == dst.is_cuda:
+        return None
+    a, b = page_layout(src), page_layout(dst)
+    if a is None or b is None:
+        return None
+    (s_base, s_layer, page), (d_base, d_layer, _) = a, b
+    kind = H2D if dst.is_cuda else D2H
+
+    def copy(layer: int, src_page: int, dst_page: int, count: int, stream: torch.cuda.Stream) -> None:
+        rt.memcpy_async(d_base + layer * d_layer + dst_page * page, s_base + layer * s_layer + src_page * page,
+                        count * page, kind, stream)
+    return copy
