@@ -1,0 +1,53 @@
+"""Where does the host time of ``KVCacheManager.onboard_launch`` go? (the tiers rows' launch_us)
+
+python3 scripts/gpu/profile_onboard.py [tokens]   (default 2048)
+
+The tiers bench's bs-1 setup (head_dim 128, page 128, 8 layers, every cached page in the host tier):
+50 onboard launches under cProfile (each after an evict + plan, followed by a sync, abort and
+flush, which are not profiled), then the top functions by own time and by cumulative time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from gr_plugin.bench.block import Block
+
+
+def main(tokens: int) -> None:
+    page, new = 128, 128
+    npg = -(-tokens // page)
+    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    m = blk.cache
+    blk.fill([1], tokens - new)
+    m.offload_flush()
+    prof, times = cProfile.Profile(), []
+    for i in range(60):
+        m.evict([1])
+        plan = blk.plan([1], tokens)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if i >= 10:
+            prof.enable()
+        m.onboard_launch(plan)
+        if i >= 10:
+            prof.disable()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        m.abort(plan)
+        m.offload_flush()
+    print(f"onboard_launch us: median unprofiled (first 10) {sorted(times[:10])[5]:.1f}, profiled "
+          f"{sorted(times[10:])[25]:.1f}")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats(18)
+    m.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2048)
