@@ -330,32 +330,34 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
     m = blk.cache
     page = m.config.page_size
     times, launch = [], []
-    m.transfer.raw_copies = raw_copies
-    for _ in range(repeats + 2):
-        if mode != "gpu":
-            m.evict([1])
-        plan = blk.plan([1], tokens)
-        want = [0] if mode == "gpu" else [cached // page * page]
-        assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = time.perf_counter()
-        handle = m.onboard_launch(plan) if mode != "gpu" else None
-        launch.append((time.perf_counter() - t0) * 1e6)
-        step.load(plan)
-        if mode == "layerwise":
-            step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
-        else:
-            if handle is not None:
-                handle.wait_layer(m.config.num_layers - 1)  # every layer's pages before the first layer
-            step.run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-        m.abort(plan)
-        m.offload_flush()
-    m.transfer.raw_copies = True
+    prior, m.transfer.raw_copies = m.transfer.raw_copies, raw_copies
+    try:
+        for _ in range(repeats + 2):
+            if mode != "gpu":
+                m.evict([1])
+            plan = blk.plan([1], tokens)
+            want = [0] if mode == "gpu" else [cached // page * page]
+            assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            handle = m.onboard_launch(plan) if mode != "gpu" else None
+            launch.append((time.perf_counter() - t0) * 1e6)
+            step.load(plan)
+            if mode == "layerwise":
+                step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
+            else:
+                if handle is not None:
+                    handle.wait_layer(m.config.num_layers - 1)  # every layer's pages before the first layer
+                step.run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+            m.abort(plan)
+            m.offload_flush()
+    finally:
+        m.transfer.raw_copies = prior
     return statistics.median(times[2:]), statistics.median(launch[2:])
 
 

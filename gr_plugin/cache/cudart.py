@@ -27,7 +27,6 @@ class Runtime:
         self._memcpy = lib.cudaMemcpyAsync
         self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
-        self.path = getattr(lib, "_name", "")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: torch.cuda.Stream) -> None:
         err = self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
