@@ -24,14 +24,38 @@ H2D, D2H = 1, 2  # cudaMemcpyKind
 
 class Runtime:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._memcpy = lib.cudaMemcpyAsync
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._memcpy.restype = ctypes.c_int
+        vp = ctypes.c_void_p
+        self._memcpy = _fn(lib.cudaMemcpyAsync, vp, vp, ctypes.c_size_t, ctypes.c_int, vp)
+        self._create = _fn(lib.cudaEventCreateWithFlags, ctypes.POINTER(vp), ctypes.c_uint)
+        self._record = _fn(lib.cudaEventRecord, vp, vp)
+        self._wait = _fn(lib.cudaStreamWaitEvent, vp, vp, ctypes.c_uint)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: torch.cuda.Stream) -> None:
         err = self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
         if err != 0:
-            raise RuntimeError(f"cudaMemcpyAsync({nbytes} bytes, kind {kind}) failed with CUDA error {err}")
+            _check(err, f"cudaMemcpyAsync({nbytes} bytes, kind {kind})")
+
+    def create_event(self) -> int:
+        """A CUDA event without timing (never destroyed: one per transfer engine)."""
+        ev = ctypes.c_void_p()
+        _check(self._create(ctypes.byref(ev), 2), "cudaEventCreateWithFlags")  # 2: cudaEventDisableTiming
+        return ev.value
+
+    def fence(self, event: int, waiting: int, on: int) -> None:
+        """Raw stream ``waiting`` waits for the work queued so far on raw stream ``on`` (``event``
+        recorded on ``on``, then waited on by ``waiting``: the caller serialises uses of ``event``)."""
+        _check(self._record(event, on), "cudaEventRecord")
+        _check(self._wait(waiting, event, 0), "cudaStreamWaitEvent")
+
+
+def _fn(f, *argtypes):
+    f.argtypes, f.restype = list(argtypes), ctypes.c_int
+    return f
+
+
+def _check(err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed with CUDA error {err}")
 
 
 @functools.cache

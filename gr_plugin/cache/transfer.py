@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from gr_plugin.cache import cudart
 from gr_plugin.cache.cudart import raw_copier
 from gr_plugin.cache.paged_ops import copy_pages
 
@@ -234,6 +235,30 @@ class CudaTransferEngine(TransferEngine):
         self.raw_copies = raw_copies  # False: every copy through Tensor.copy_ (the bench compares both)
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._copiers: dict[tuple, Callable | None] = {}
+        self._fence_event: int | None = None
+        self._fence_lock = threading.Lock()
+
+    def _raw_copier(self, src: torch.Tensor, dst: torch.Tensor) -> Callable | None:
+        """`raw_copier` of two tables, remembered per layout (the transfer engine's tables live long)."""
+        if not self.raw_copies:
+            return None
+        key = (src.data_ptr(), src.shape, src.stride(), src.dtype, dst.data_ptr(), dst.shape, dst.stride(), dst.dtype)
+        if key not in self._copiers:
+            if len(self._copiers) > 64:
+                self._copiers.clear()
+            self._copiers[key] = raw_copier(src, dst)
+        return self._copiers[key]
+
+    def _fence(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits for what the caller queued on its current stream so far (raw calls: the
+        Python ``wait_stream`` costs tens of µs on the request path)."""
+        rt = cudart.runtime()
+        with self._fence_lock:
+            if self._fence_event is None:
+                self._fence_event = rt.create_event()
+            rt.fence(self._fence_event, stream.cuda_stream, torch._C._cuda_getCurrentRawStream(self._index))
 
     def copy(self, src, src_pages, dst, dst_pages) -> CopyHandle:
         n = src_pages.numel()
@@ -247,23 +272,30 @@ class CudaTransferEngine(TransferEngine):
 
     def _onboard(self, src, src_pages, dst, dst_pages) -> CopyHandle:
         num_layers, n = src.shape[0], src_pages.numel()
-        caller = torch.cuda.current_stream(self.device)
         stream = self.h2d_stream
         both = joint_runs(src_pages.tolist(), dst_pages.tolist())
         events = []
+        raw = self._raw_copier(src, dst) if len(both) <= self.max_runs else None
+        if raw is not None:
+            # NOTE: host slots and device pages both consecutive: copy straight into the pages, one raw
+            # cudaMemcpyAsync per layer and run (gr_plugin.cache.cudart). The launch's host time is what
+            # delays the first layer of a layerwise onboard, so no Python stream context here.
+            self._fence(stream)
+            for layer in range(num_layers):
+                for s0, d0, length in both:
+                    raw(layer, s0, d0, length, stream)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+            return _CudaHandle(events, n, None)
+        caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
-            # NOTE: host slots and device pages both consecutive: copy straight into the pages. The
-            # launch's host time is what delays the first layer: one raw cudaMemcpyAsync per layer and
-            # run (gr_plugin.cache.cudart), else per-layer views from one slice + unbind per run.
-            raw = raw_copier(src, dst) if self.raw_copies else None
-            pairs = [] if raw is not None else [(dst[:, d0 : d0 + length].unbind(0),
-                                                 src[:, s0 : s0 + length].unbind(0)) for s0, d0, length in both]
+            # per-layer views of each run from one slice + unbind
+            pairs = [(dst[:, d0 : d0 + length].unbind(0), src[:, s0 : s0 + length].unbind(0))
+                     for s0, d0, length in both]
             with torch.cuda.stream(stream):
                 stream.wait_stream(caller)
                 for layer in range(num_layers):
-                    if raw is not None:
-                        for s0, d0, length in both:
-                            raw(layer, s0, d0, length, stream)
                     for d, s in pairs:
                         d[layer].copy_(s[layer], non_blocking=True)
                     ev = torch.cuda.Event()
@@ -294,7 +326,7 @@ class CudaTransferEngine(TransferEngine):
         stream = self.d2h_stream
         both = joint_runs(src_pages.tolist(), dst_pages.tolist())
         if len(both) <= self.max_runs and dst.is_pinned():
-            raw = raw_copier(src, dst) if self.raw_copies else None
+            raw = self._raw_copier(src, dst)
             with torch.cuda.stream(stream):
                 stream.wait_stream(caller)
                 for layer in range(src.shape[0]):

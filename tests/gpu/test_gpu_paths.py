@@ -76,6 +76,15 @@ def test_raw_page_copies_equal_tensor_copies_and_are_used():
         engine.copy(dev, dst, back, src).wait()
         results.append((dev.cpu(), back))
     (dev_raw, back_raw), (dev_copy, back_copy) = results
+    # the copies are ordered after the caller's queued work: a slow fill of the table queued before
+    # the onboard does not land after it
+    engine = CudaTransferEngine(torch.device("cuda"))
+    dev = torch.zeros(3, 40, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    torch.cuda._sleep(50_000_000)  # tens of ms of GPU time on the caller's stream
+    dev.fill_(7)
+    engine.copy(host, src, dev, dst).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(dev[:, dst].cpu(), host[:, src]) and (dev[:, [0, 3, 39]] == 7).all()
     assert torch.equal(dev_raw, dev_copy) and torch.equal(back_raw, back_copy)
     assert torch.equal(dev_raw[:, dst], host[:, src]) and dev_raw[:, [0, 3, 39]].abs().sum() == 0
     assert torch.equal(back_raw[:, src], host[:, src]) and back_raw[:, [1, 2, 19]].abs().sum() == 0
