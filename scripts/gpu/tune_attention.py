@@ -29,36 +29,50 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-# NOTE: each config compiles once per case (seconds each); an earlier wider sweep (BLOCK_M 128, BLOCK_N 32..128,
-# 8 warps, 2..4 stages) found nothing faster than these at head_dim 128 on the H200.
-CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 2), (64, 32, 4, 3)]
+# NOTE: each config compiles once per (config, splits); an earlier sweep with the default split heuristic found
+# nothing faster than (64, 64, 4, 3) at head_dim 128, but the split count sets the number of waves (programs over
+# SMs x programs per SM), so here every config runs with every split count.
+CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+           (64, 32, 4, 3)]
+SPLITS = (1, 2, 4, 8)
+
+
+def sweep(name, args, flops, dim, launch):
+    results = []
+    for (bm, bn, w, st), splits in itertools.product(CONFIGS, SPLITS):
+        if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
+            continue
+        try:
+            ms = bench(lambda: launch(args, splits, (bm, bn, w, st), True))
+        except Exception as e:  # a config that does not compile is reported, not fatal
+            print(f"   BM={bm} BN={bn} warps={w} stages={st} splits={splits}: {type(e).__name__}")
+            ms = float("nan")
+        results.append((ms, bm, bn, w, st, splits))
+    results.sort(key=lambda r: (r[0] != r[0], r[0]))
+    default = bench(lambda: launch(args, None, None, None))
+    exact = bench(lambda: launch(args, None, None, False))
+    print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s), exact SiLU {exact:.3f} ms; best:")
+    for ms, bm, bn, w, st, sp in results[:6]:
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
+
 
 for name, (bs, hist, new, cands, heads, dim, page) in {
-    "bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
-    "bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
-    "bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
+    "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
+    "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
+    "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
 }.items():
     args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
     flops = bs * heads * (new + cands) * hist * dim * 4
-    results = []
-    for (bm, bn, w, st), splits, fast in itertools.product(CONFIGS, (None,), (True, False)):
-        if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
-            continue
-        if not fast and (splits == 1 or (bm, bn, w, st) != tri._blocks(dim, torch.bfloat16)):
-            continue
-        try:
-            ms = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
-                                           num_splits=splits, blocks=(bm, bn, w, st), fast=fast))
-        except Exception as e:  # a config that does not compile is reported, not fatal
-            print(f"   BM={bm} BN={bn} warps={w} stages={st}: {type(e).__name__}")
-            ms = float("nan")
-        results.append((ms, bm, bn, w, st, splits, fast))
-    results.sort(key=lambda r: (r[0] != r[0], r[0]))
-    default = bench(lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv))
-    print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s); best:")
-    for ms, bm, bn, w, st, sp, fast in results[:5]:
-        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp} "
-              f"fast={fast}")
-    slow = [r for r in results if not r[6]]
-    if slow:
-        print(f"   exact sigmoid, default blocks: {slow[0][0]:.3f} ms")
+    sweep(name, args, flops, dim, lambda a, sp, bl, fast: tri._launch(
+        *a, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=sp, blocks=bl, fast=fast))
+
+# the full (jagged) pass the block's recompute uses: history 4096 + 256 candidates per user
+for name, (bs, hist, cands, heads, dim) in {"jagged bs8 4096+256 d128": (8, 4096, 256, 4, 128)}.items():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = bs * (hist + cands)
+    q, k, v = (torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    off = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * (hist + cands)
+    hl = torch.full((bs,), hist, device="cuda", dtype=torch.int64)
+    flops = bs * heads * dim * 4 * (hist * (hist + 1) // 2 + cands * (hist + 1))
+    sweep(name, (q, k, v, None, None, None, off, hl, hl), flops, dim, lambda a, sp, bl, fast: tri._launch(
+        *a, 0.1, 4096.0, hist + cands, paged=False, max_kv_len=hist + cands, num_splits=sp, blocks=bl, fast=fast))

@@ -1,0 +1,55 @@
+"""Where the block's time goes on the GPU: kernel time per kernel name, per step (one device call).
+
+python3 scripts/gpu/profile_block.py [head_dim] [page] [bs] -> for the cached step (4096 history, 3968 cached,
+128 new, 256 candidates per user) and the full recomputation, the device time of each kernel (summed over the
+8 layers, averaged over the profiled steps), its share, and the step's wall time as CUDA graphs.
+"""
+
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gr_plugin.bench.block import Block, StaticStep, _graph, _time_ms
+
+dim, page, bs = (int(a) for a in (sys.argv[1:] + ["128", "128", "8"][len(sys.argv) - 1:])[:3])
+hist, cached, cands = 4096, 3968, 256
+blk = Block(dim, page, num_pages=bs * (hist // page + 2) + 8)
+users = list(range(bs))
+blk.fill(users, cached)
+plan = blk.plan(users, hist)
+
+
+def kernels(fn, steps=10):
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+    times = collections.Counter()
+    counts = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / steps
+            counts[e.name] += 1 / steps
+    return times, counts
+
+
+with torch.no_grad():
+    cached_fn, _ = blk.cached_fn(plan, bs, hist - cached, cands)
+    full_fn, _ = blk.full_fn(bs, hist, cands)
+    step = StaticStep(blk, plan, bs, hist - cached, cands)
+    full_graph = _graph(full_fn)
+    walls = {"cached (graphs per layer)": _time_ms(step.run, 20), "full (graph)": _time_ms(full_graph, 10)}
+for name, fn in (("cached (graphs)", step.run), ("cached (eager)", cached_fn), ("full (graph)", full_graph)):
+    times, counts = kernels(fn)
+    total = sum(times.values())
+    print(f"=== {name}: bs {bs} head_dim {dim} page {page}: kernel time {total / 1e3:.3f} ms per step")
+    for k, t in times.most_common(25):
+        print(f"  {t / 1e3:8.4f} ms {100 * t / total:5.1f}%  x{counts[k]:4.0f}  {k[:110]}")
+for k, v in walls.items():
+    print(f"wall {k}: {v:.3f} ms")
