@@ -28,7 +28,7 @@ import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer
-from gr_plugin.ops import paged_hstu_attention
+from gr_plugin.ops import append_kv, paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class Block:
                            device=device, host_cache_bytes=0)
         if host_pages:
             kv.host_cache_bytes = host_pages * kv.page_bytes
-        self.cache = KVCacheManager(kv, HostTier() if host_pages else None)
+        # the model's append (`KVCacheModule`): the Triton kernel, reading the new rows in place
+        self.cache = KVCacheManager(kv, HostTier() if host_pages else None, append_fn=append_kv)
         self.dtype = dtype
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Block:
                 u, q, k, v = layer.project(y)
                 if waits is not None:
                     waits(i)
-                self.cache.append_fn(table[i], k[rows], v[rows], slots)
+                self.cache.append_fn(table[i], k, v, slots, rows)
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
@@ -209,12 +210,12 @@ class StaticStep:
     def _layer(self, i: int) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
         u, q, k, v = layer.project(self.ys[i])
-        self.blk.cache.append_fn(table[i], k[self.rows], v[self.rows], self.slots)
+        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
                                  max_history_len=self.max_hist, num_history_tokens=self.num_hist)
-        self.ys[i + 1].copy_(layer.finish(self.ys[i], u, a))
+        layer.finish(self.ys[i], u, a, out=self.ys[i + 1])
 
     def load(self, plan) -> None:
         meta = plan.metadata

@@ -113,7 +113,7 @@ class CachedStackGraphs:
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.tokens, max_history_len=self._max_history, num_history_tokens=0)
-        b.ys[i + 1].copy_(layer.finish(b.ys[i], u, a))
+        layer.finish(b.ys[i], u, a, out=b.ys[i + 1])
 
     def _head(self, b: _Bucket) -> torch.Tensor:
         return self.model.head_rows(b.ys[-1], b.view("cand_rows"))

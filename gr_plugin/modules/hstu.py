@@ -31,16 +31,19 @@ from gr_plugin.modules.tokens import (
     validate_values,
 )
 from gr_plugin.ops import hstu_attention_jagged
+from gr_plugin.ops.norm import layer_norm_mul
 
 if TYPE_CHECKING:
     from gr_plugin.cache import BatchPlan
     from gr_plugin.modules.kv_cache import KVCacheModule
 
 
-# NOTE: leaves for torch.fx: they need host ints (sizes), so tracing records the calls, not their bodies.
+# NOTE: leaves for torch.fx: they need host ints (sizes) or check their inputs, so tracing records the calls,
+# not their bodies.
 torch.fx.wrap("build_token_layout")
 torch.fx.wrap("check_inputs")
 torch.fx.wrap("hstu_attention_jagged")
+torch.fx.wrap("layer_norm_mul")
 
 
 @dataclasses.dataclass
@@ -98,9 +101,12 @@ class HSTULayer(nn.Module):
         shape = (x.shape[0], self.num_heads, self.head_dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        a = self.attn_norm(attn.reshape(attn.shape[0], -1))
-        return x + self.dropout(self.output(a * u))
+    def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x + output(LayerNorm(attn) * u)``, written into ``out`` when given (a static buffer)."""
+        n = self.attn_norm
+        y = self.dropout(self.output(layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)))
+        return x + y if out is None else torch.add(x, y, out=out)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         u, q, k, v = self.project(x)

@@ -154,12 +154,17 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
 
 
-def _blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size."""
+def _blocks(head_dim: int, dtype: torch.dtype, paged: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size, element size and form.
+
+    NOTE: measured on the H200 (`scripts/gpu/tune_attention.py`, every split count per config,
+    docs/BENCHMARKS.md): the paged form at head_dim 128 in bf16 runs fastest with 128x128 tiles and
+    8 warps (0.103 ms vs 0.112 ms for 64x64 at bs 8); the jagged form prefers 64x64. fp32 keeps
+    the small tiles (128x128 fp32 tiles do not fit in shared memory)."""
     if head_dim >= 256:
         return 64, 32, 4, 2
-    if head_dim >= 128:
-        return 64, 64, 4, 3
+    if head_dim >= 128 and paged and dtype.itemsize == 2:
+        return 128, 128, 8, 2
     return 64, 64, 4, 3
 
 
@@ -184,14 +189,16 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     bsz = q_offsets.numel() - 1
-    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype)
+    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
     if num_splits is None:
-        # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while
-        # each program walks the whole history: split the keys so about two waves run.
+        # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while each
+        # program walks the whole history: split the keys, up to about one program per SM. More
+        # than one wave measured slower on the H200 (a half-full second wave; the fp32 partial sums'
+        # atomics), e.g. bs 8, 4096 history, head_dim 128: 96 programs unsplit 0.103 ms, split 2 0.125 ms.
         programs = m_blocks * bsz * heads
         kv_blocks = triton.cdiv(max(max_kv_len if max_kv_len is not None else max_q_len, 1), block_n)
-        want = max(1, min(triton.cdiv(2 * _num_sms(q.device), programs), kv_blocks // 4, 32))
+        want = max(1, min(_num_sms(q.device) // programs, kv_blocks // 4, 32))
         num_splits = 1 << (want.bit_length() - 1)  # a power of two: few kernel specialisations
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
     if nq == 0 or bsz == 0:
