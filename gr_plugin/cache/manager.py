@@ -479,6 +479,10 @@ class KVCacheManager:
                 # keep, pages that hold nothing of this user. Refused; abort the plan.
                 raise ValueError(f"plan {plan.plan_id} has host-tier pages that were never onboarded "
                                  "(onboard_launch before the step); abort it")
+            if plan.onboard_handle is not None:
+                # NOTE: a step waits for every layer it reads; a layer it never waited for must still
+                # land before the entry is published, not be launched later onto published pages.
+                plan.onboard_handle.launch()
             req = plan.request
             # NOTE: the core frees stale pages (zombies while a copy reads them), hashes the new
             # full pages with the entry's stream hasher and publishes the entries.

@@ -51,6 +51,11 @@ class CopyHandle(ABC):
         """Raise `TransferError` if the (finished) copy failed; never blocks."""
         return None
 
+    def launch(self) -> None:
+        """Launch every copy not launched yet (a handle may launch its layers as they are waited
+        for); never blocks. `wait` and `done` launch them too."""
+        return None
+
 
 class DoneHandle(CopyHandle):
     """A copy of nothing: every wait returns at once."""
@@ -194,6 +199,46 @@ class _CudaHandle(CopyHandle):
         return True
 
 
+class _LazyCudaHandle(_CudaHandle):
+    """An onboard whose copies are launched layer by layer as they are needed: layer 0 at once,
+    layer ``i`` by the first ``wait_layer(j >= i)``, every layer by ``wait``, ``done`` or ``launch``.
+
+    The first layer's copy is what the first layer waits for; launching the other layers' copies
+    (a raw copy and an event each) before returning would delay the caller's first kernels by
+    their host time. They go onto the copy stream behind layer 0's, fenced behind what the caller
+    had queued at the launch, while the caller's stream runs layer 0: the copy engine stays busy
+    as long as the caller asks for layer ``i + 1`` before layer ``i``'s copy ends.
+    """
+
+    def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int) -> None:
+        super().__init__([], num_pages, None)
+        self.num_layers = num_layers
+        self._issue = issue
+        self._upto(0)
+
+    def _upto(self, layer: int) -> None:
+        with self._lock:
+            while len(self._events) <= layer:
+                self._events.append(self._issue(len(self._events)))
+
+    def launch(self) -> None:
+        self._upto(self.num_layers - 1)
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
+        self._upto(layer)
+        super().wait_layer(layer)
+
+    def wait(self) -> None:
+        self.launch()
+        super().wait()
+
+    def done(self) -> bool:
+        self.launch()
+        return super().done()
+
+
 def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """``(first index, first slot, length)`` of each run of consecutive slots, in order."""
     runs: list[tuple[int, int, int]] = []
@@ -281,13 +326,14 @@ class CudaTransferEngine(TransferEngine):
             # cudaMemcpyAsync per layer and run (gr_plugin.cache.cudart). The launch's host time is what
             # delays the first layer of a layerwise onboard, so no Python stream context here.
             self._fence(stream)
-            for layer in range(num_layers):
+
+            def issue(layer: int) -> torch.cuda.Event:
                 for s0, d0, length in both:
                     raw(layer, s0, d0, length, stream)
                 ev = torch.cuda.Event()
                 ev.record(stream)
-                events.append(ev)
-            return _CudaHandle(events, n, None)
+                return ev
+            return _LazyCudaHandle(issue, num_layers, n)
         caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
             # per-layer views of each run from one slice + unbind

@@ -95,6 +95,58 @@ def test_raw_page_copies_equal_tensor_copies_and_are_used():
     assert cudart.raw_copier(host, cuda_table.transpose(2, 3)) is None
 
 
+def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
+    """A raw onboard copies layer 0 at launch and layer ``i`` at the first wait for it (or a later
+    layer), all of them on ``wait``; a plan committed after waiting for some layers only still gets
+    every layer before its entry is published."""
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    g = torch.Generator().manual_seed(1)
+    host = torch.randn(4, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
+    engine = CudaTransferEngine(torch.device("cuda"))
+    dev = torch.zeros(4, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    handle = engine.copy(host, src, dev, dst)
+    copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(4)]  # noqa: E731
+    handle.wait_layer(0)
+    torch.cuda.synchronize()
+    assert copied() == [True, False, False, False]
+    handle.wait_layer(2)
+    torch.cuda.synchronize()
+    assert copied() == [True, True, True, False]
+    with pytest.raises(ValueError, match="layer 4 is outside"):
+        handle.wait_layer(4)
+    handle.wait()
+    assert copied() == [True] * 4 and handle.done()
+    assert dev[:, [0, 4, 8, 9]].abs().sum() == 0
+
+    cfg = KVCacheConfig(num_layers=3, num_heads=2, head_dim=64, page_size=16, num_pages=64, dtype="bfloat16",
+                        device="cuda", host_cache_bytes=64 * KVCacheConfig(num_layers=3, num_heads=2, head_dim=64,
+                                                                            page_size=16, dtype="bfloat16").page_bytes)
+    m = KVCacheManager(cfg, HostTier())
+    plan = m.allocate(m.lookup(CacheRequest([5], [64], torch.arange(64))))
+    for layer in range(3):
+        m.append(layer, *_kv(5, 64, layer, 2, 64), plan)
+    m.commit(plan)
+    m.offload_flush()
+    m.evict([5])
+    plan = m.allocate(m.lookup(CacheRequest([5], [80], torch.arange(80))))
+    assert plan.onboard_tokens == [64]
+    m.onboard_launch(plan).wait_layer(0)  # the step reads layer 0 only, then commits
+    for layer in range(3):
+        m.append(layer, *(t[64:] for t in _kv(5, 80, layer, 2, 64)), plan)
+    m.commit(plan)
+    torch.cuda.synchronize()
+    meta = plan.metadata
+    slots = paged_ops.sequence_slots(meta.kv_indices, meta.kv_indptr, meta.total_lengths, meta.total_offsets, 16,
+                                     meta.num_total_tokens)
+    for layer in range(3):
+        got_k, _ = paged_ops.gather_kv(m.kv_table[layer], slots[:64])
+        assert torch.equal(got_k, _kv(5, 64, layer, 2, 64)[0]), layer
+    m.offload_flush()
+    m.check()
+
+
 def _model_pair(dtype):
     from gr_plugin.cache import KVCacheConfig
     from gr_plugin.modules import KVCacheModule
