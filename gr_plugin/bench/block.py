@@ -28,7 +28,7 @@ import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer
-from gr_plugin.ops import append_kv, paged_hstu_attention
+from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,10 @@ class Block:
         req = CacheRequest(users, [total] * len(users), torch.cat([torch.arange(total) + u * 10**7 for u in users]))
         return self.cache.allocate(self.cache.lookup(req))
 
-    # -- forward ---------------------------------------------------------------------------------
+    # -- forward (the model's own loops: `HSTURanker.forward_layout` / `forward_cached`) ----------
+    def _next(self, i: int) -> HSTULayer | None:
+        return self.layers[i + 1] if i + 1 < len(self.layers) else None
+
     def full_fn(self, bs: int, hist: int, cands: int):
         c = self.cfg
         lens = [hist + cands] * bs
@@ -134,9 +137,12 @@ class Block:
         layout = _Layout(_offsets(lens, self.device), torch.full((bs,), cands, device=self.device), hist + cands)
 
         def run():
-            y = x
-            for layer in self.layers:
-                y = layer(y, layout)
+            y, normed = x, None
+            for i, layer in enumerate(self.layers):
+                u, q, k, v = layer.project(y, normed)
+                a = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
+                                          n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
+                y, normed = layer.finish_and_norm(y, u, a, self._next(i))
             return y
 
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
@@ -153,9 +159,9 @@ class Block:
         slots = meta.new_token_slots  # derived once, on the device
 
         def run():
-            y = x
+            y, normed = x, None
             for i, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(y)
+                u, q, k, v = layer.project(y, normed)
                 if waits is not None:
                     waits(i)
                 self.cache.append_fn(table[i], k, v, slots, rows)
@@ -163,7 +169,7 @@ class Block:
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
                                          num_history_tokens=meta.num_total_tokens)
-                y = layer.finish(y, u, a)
+                y, normed = layer.finish_and_norm(y, u, a, self._next(i))
             return y
 
         hist = meta.max_total_len
@@ -201,6 +207,7 @@ class StaticStep:
                                for b in range(bs)])
         self.max_q, self.max_hist, self.num_hist = new + cands, meta.max_total_len, meta.num_total_tokens
         self.ys = [self.x]
+        self.normed = [torch.empty_like(self.x) for _ in blk.layers]
         self.graphs = []
         with torch.no_grad():
             for i in range(len(blk.layers)):
@@ -209,13 +216,15 @@ class StaticStep:
 
     def _layer(self, i: int) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
-        u, q, k, v = layer.project(self.ys[i])
+        u, q, k, v = layer.project(self.ys[i], self.normed[i] if i else None)
         self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
                                  max_history_len=self.max_hist, num_history_tokens=self.num_hist)
-        layer.finish(self.ys[i], u, a, out=self.ys[i + 1])
+        nxt = self.blk._next(i)
+        layer.finish_and_norm(self.ys[i], u, a, nxt, out=self.ys[i + 1],
+                              normed_out=None if nxt is None else self.normed[i + 1])
 
     def load(self, plan) -> None:
         meta = plan.metadata

@@ -408,15 +408,18 @@ class KVCacheManager:
             if not plan.onboard_src:
                 plan.onboard_handle = DoneHandle(self.config.num_layers)
                 return plan.onboard_handle
-            src = torch.cat([s for _, _, s in plan.onboard_src])
+            # NOTE: this runs before the first layer's copy is launched, so its host time delays the
+            # step: no concatenation for one user (the engine only reads the page lists).
             host, offsets = plan.host_metadata, plan.metadata.field_offsets
             indptr, indices = offsets["kv_indptr"][0], offsets["kv_indices"][0]
-            dst = []
+            src, dst = [], []
             for b, first, slots in plan.onboard_src:
                 at = indices + int(host[indptr + b]) + first
+                src.append(slots)
                 dst.append(host[at : at + slots.numel()])
-            dst_t = torch.cat(dst)
-            handle = self.transfer.copy(self.backend.host_table, src, self.kv_table, dst_t)
+            src_t = src[0] if len(src) == 1 else torch.cat(src)
+            dst_t = dst[0] if len(dst) == 1 else torch.cat(dst)
+            handle = self.transfer.copy(self.backend.host_table, src_t, self.kv_table, dst_t)
             plan.onboard_handle = handle
             items = [(plan.keys[b], None) for b, _, _ in plan.onboard_src]
             self._jobs.append(_CopyJob(handle, "onboard", items, []))

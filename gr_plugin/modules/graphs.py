@@ -53,7 +53,8 @@ class _Bucket:
     staged: list[torch.cuda.Event]  # recorded after each staging buffer's last copy
     scratch_slots: np.ndarray  # [new] where padding new rows write (a reserved page)
     x: torch.Tensor
-    ys: list[torch.Tensor]
+    ys: list[torch.Tensor]  # the residual stream: layer i reads ys[i], writes ys[i + 1]
+    normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
     turn: int = 0
     whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
     layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None  # one per layer, logits
@@ -108,12 +109,14 @@ class CachedStackGraphs:
     def _layer(self, b: _Bucket, i: int) -> None:
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
-        u, q, k, v = layer.project(b.ys[i])
+        u, q, k, v = layer.project(b.ys[i], b.normed[i] if i else None)
         self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.tokens, max_history_len=self._max_history, num_history_tokens=0)
-        layer.finish(b.ys[i], u, a, out=b.ys[i + 1])
+        last = i + 1 == len(self.model.layers)
+        layer.finish_and_norm(b.ys[i], u, a, None if last else self.model.layers[i + 1], out=b.ys[i + 1],
+                              normed_out=None if last else b.normed[i + 1])
 
     def _head(self, b: _Bucket) -> torch.Tensor:
         return self.model.head_rows(b.ys[-1], b.view("cand_rows"))
@@ -179,7 +182,8 @@ class CachedStackGraphs:
                     staging_np=[t.numpy() for t in staging],
                     staged=[torch.cuda.Event(), torch.cuda.Event()],
                     scratch_slots=self._scratch * page + np.arange(new, dtype=np.int64) % page,
-                    x=x, ys=[x] + [torch.empty_like(x) for _ in self.model.layers])
+                    x=x, ys=[x] + [torch.empty_like(x) for _ in self.model.layers],
+                    normed=[torch.empty_like(x) for _ in self.model.layers])
         return b
 
     # ------------------------------------------------------------------ capture and replay

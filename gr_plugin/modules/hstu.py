@@ -31,7 +31,7 @@ from gr_plugin.modules.tokens import (
     validate_values,
 )
 from gr_plugin.ops import hstu_attention_jagged
-from gr_plugin.ops.norm import layer_norm_mul
+from gr_plugin.ops.norm import add_layer_norm, layer_norm_mul
 
 if TYPE_CHECKING:
     from gr_plugin.cache import BatchPlan
@@ -44,6 +44,7 @@ torch.fx.wrap("build_token_layout")
 torch.fx.wrap("check_inputs")
 torch.fx.wrap("hstu_attention_jagged")
 torch.fx.wrap("layer_norm_mul")
+torch.fx.wrap("add_layer_norm")
 
 
 @dataclasses.dataclass
@@ -95,18 +96,33 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(hd, d, device=device)
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``."""
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).chunk(4, dim=-1)
+    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``; ``normed`` is ``input_norm(x)``
+        when the caller has it (`finish` of the layer before computed it with its residual add)."""
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x) if normed is None else normed)).chunk(4, dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
     def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``x + output(LayerNorm(attn) * u)``, written into ``out`` when given (a static buffer)."""
-        n = self.attn_norm
-        y = self.dropout(self.output(layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)))
+        y = self._output(u, attn)
         return x + y if out is None else torch.add(x, y, out=out)
+
+    def finish_and_norm(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, next_layer: HSTULayer | None,
+                        out: torch.Tensor | None = None,
+                        normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`finish` and the next layer's input norm of its result, ``(y, next_layer.input_norm(y))``
+        (``None`` for the last layer), into ``out`` / ``normed_out`` when given: one pass on CUDA
+        inference (`gr_plugin.ops.norm`); the next layer's `project` takes it as ``normed``."""
+        if next_layer is None:
+            return self.finish(x, u, attn, out), None
+        n = next_layer.input_norm
+        return add_layer_norm(x, self._output(u, attn), n.weight, n.bias, n.eps, out=out, normed_out=normed_out)
+
+    def _output(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        n = self.attn_norm
+        return self.dropout(self.output(layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)))
 
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         u, q, k, v = self.project(x)
@@ -178,10 +194,16 @@ class HSTURanker(nn.Module):
     def forward_layout(self, layout: TokenLayout) -> torch.Tensor:
         """The full pass over a layout the caller built (``cached_lengths=None``), e.g. on the host
         and moved with `TokenLayout.to`."""
-        x = self._embed(layout)
-        for layer in self.layers:
-            x = layer(x, layout)
+        x, normed = self._embed(layout), None
+        for i, layer in enumerate(self.layers):
+            u, q, k, v = layer.project(x, normed)
+            attn = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
+                                         n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
+            x, normed = layer.finish_and_norm(x, u, attn, self._next(i))
         return self._head(x, layout)
+
+    def _next(self, i: int) -> HSTULayer | None:
+        return self.layers[i + 1] if i + 1 < len(self.layers) else None
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
@@ -202,11 +224,11 @@ class HSTURanker(nn.Module):
                 None if max_candidates is None else meta.max_new_len + max_candidates,
                 num_candidates,
             )
-        x = self._embed(layout)
+        x, normed = self._embed(layout), None
         for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x)
+            u, q, k, v = layer.project(x, normed)
             attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
-            x = layer.finish(x, u, attn)
+            x, normed = layer.finish_and_norm(x, u, attn, self._next(i))
         return self._head(x, layout)
 
     def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:

@@ -1,5 +1,7 @@
-"""Dispatch of ``LayerNorm(a) * u`` (the HSTU layer's norm of the attention output, gated by ``u``):
-the fused Triton kernel for CUDA inference, else the torch ops, which also define the semantics.
+"""Dispatch of the HSTU layer's fused norms: the Triton kernels for CUDA inference, else the torch
+ops, which also define the semantics.
+- ``layer_norm_mul``: ``LayerNorm(a) * u`` (the norm of the attention output, gated by ``u``);
+- ``add_layer_norm``: the residual add ``y = x + o`` and the next layer's input norm of ``y``.
 
 The torch form serves autograd (training), CPU tensors and graph capture by ``torch.compile`` /
 ``torch.export`` (Inductor fuses it there itself, and the exported graph stays free of Python
@@ -16,22 +18,23 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def _triton_kernel():
+def _triton_kernels():
     try:
-        from gr_plugin.ops.triton.layer_norm import layer_norm_mul
+        from gr_plugin.ops.triton import layer_norm
     except Exception:
         return None
-    return layer_norm_mul
+    return layer_norm
 
 
-def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.Tensor) -> None:
+def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.Tensor, names: str = "au") -> None:
+    na, nu = names
     if a.dim() != 2 or u.shape != a.shape:
-        raise ValueError(f"a and u must be [M, N] of one shape, got {tuple(a.shape)} and {tuple(u.shape)}")
+        raise ValueError(f"{na} and {nu} must be [M, N] of one shape, got {tuple(a.shape)} and {tuple(u.shape)}")
     n = a.shape[1]
     if weight.shape != (n,) or bias.shape != (n,):
         raise ValueError(f"weight and bias must be [{n}], got {tuple(weight.shape)} and {tuple(bias.shape)}")
     if u.dtype != a.dtype or u.device != a.device:
-        raise ValueError(f"u is {u.dtype} on {u.device}, a is {a.dtype} on {a.device}")
+        raise ValueError(f"{nu} is {u.dtype} on {u.device}, {na} is {a.dtype} on {a.device}")
 
 
 def use_fused(a: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -40,7 +43,7 @@ def use_fused(a: torch.Tensor, *params: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (a, *params)):
         return False
-    return not torch.compiler.is_compiling() and _triton_kernel() is not None
+    return not torch.compiler.is_compiling() and _triton_kernels() is not None
 
 
 def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -51,5 +54,25 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     if fused is None:
         fused = use_fused(a, weight, bias, u)
     if fused and a.stride(-1) == 1 and u.stride(-1) == 1:
-        return _triton_kernel()(a, weight, bias, eps, u)
+        return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u)
     return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * u
+
+
+def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None,
+                   fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, LayerNorm(y; weight, bias, eps))`` with ``y = x + o`` for ``x, o [M, N]`` (last
+    dimension contiguous), written into ``out`` / ``normed_out`` when given (static buffers).
+    ``fused`` as for `layer_norm_mul`."""
+    _check(x, weight, bias, o, "xo")
+    for name, t in (("out", out), ("normed_out", normed_out)):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"{name} must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    if fused is None:
+        fused = use_fused(x, o, weight, bias)
+    if fused and all(t is None or t.stride(-1) == 1 for t in (x, o, out, normed_out)):
+        return _triton_kernels().add_layer_norm(x, o, weight, bias, eps, out, normed_out)
+    y = x + o if out is None else torch.add(x, o, out=out)
+    z = F.layer_norm(y, (y.shape[1],), weight, bias, eps)
+    return y, z if normed_out is None else normed_out.copy_(z)

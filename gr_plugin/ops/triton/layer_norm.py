@@ -1,10 +1,13 @@
-"""Triton ``LayerNorm(a) * u``: the HSTU layer's attention output norm and gate in one pass.
+"""Triton kernels of the HSTU layer's norms, each one pass over a row per program.
 
-Owns the GPU kernel behind `gr_plugin.ops.norm.layer_norm_mul` (the reference is the torch form in
-that module). One program per row: the row of ``a`` is read once, normalised in fp32, scaled and
-shifted, multiplied by the row of ``u`` and rounded once to the output dtype (torch rounds the norm's
-output before the product; the difference is within the output's rounding). Works under
-``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
+Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch forms there):
+- ``layer_norm_mul``: ``LayerNorm(a) * u``, the attention output's norm and gate. The row of ``a``
+  is read once, normalised in fp32, scaled and shifted, multiplied by the row of ``u`` and rounded
+  once (torch rounds the norm's output before the product; the difference is within the output's
+  rounding).
+- ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
+  and the next layer's input norm of ``y``, which then need not be read back.
+Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
 
 from __future__ import annotations
@@ -42,3 +45,37 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
                   num_warps=4 if block <= 1024 else 8)
     return out
+
+
+@triton.jit
+def _add_ln(X, O, Y, Z, W, B, stride_x, stride_o, stride_y, stride_z, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < N
+    x = tl.load(X + row * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(O + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
+    y = (x + o).to(Y.dtype.element_ty)  # the residual stream, rounded as torch's add rounds it
+    tl.store(Y + row * stride_y + c, y, mask=ok)
+    yf = y.to(tl.float32)
+    mean = tl.sum(yf, axis=0) / N
+    diff = tl.where(ok, yf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
+    w = tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(B + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Z + row * stride_z + c, (diff * rstd * w + b).to(Z.dtype.element_ty), mask=ok)
+
+
+def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None,
+                   normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = x + o`` and ``LayerNorm(y; weight, bias, eps)`` (into ``out`` / ``normed_out`` when
+    given) for ``x, o [M, N]`` (columns contiguous), in one pass."""
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    z = torch.empty((m, n), dtype=x.dtype, device=x.device) if normed_out is None else normed_out
+    if m == 0:
+        return y, z
+    block = triton.next_power_of_2(n)
+    _add_ln[(m,)](x, o, y, z, weight, bias, x.stride(0), o.stride(0), y.stride(0), z.stride(0), float(eps), N=n,
+                  BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return y, z
