@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from typing import Any
@@ -57,6 +58,12 @@ def _time(engine: RankingEngine, batch, cuda: bool):
     if cuda:
         torch.cuda.synchronize()
     return res, time.perf_counter() - t0
+
+
+def worst_diff(a: float, b: float) -> float:
+    """The larger of two max abs differences, NaN if either is (``max`` would drop a NaN: a
+    non-finite score must show in the table, not read as a match)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _other_users(batches: list, offset: int) -> list:
@@ -141,7 +148,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
                 logits[name] = res.logits.float()
                 if name == "graph":
                     hits.append(res.cached_tokens / max(1, res.cached_tokens + res.computed_tokens))
-            diff = max(diff, *((logits[n] - logits["full"]).abs().max().item() for n in ("graph", "eager")))
+            for n in ("graph", "eager"):
+                diff = worst_diff(diff, (logits[n] - logits["full"]).abs().max().item())
         measured = batches[warmup_batches:]
         n_req = sum(b.batch_size for b in measured)
         rate = {name: n_req / sum(t) for name, t in times.items()}

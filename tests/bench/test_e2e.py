@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from gr_plugin.bench import e2e
@@ -25,3 +27,8 @@ def test_cached_engines_equal_full_recompute_on_cpu():
     assert row["requests"] == 5 and row["batches"] == 6
     assert row["hit_rate"] > 0.3
     assert row["max_abs_diff"] < 1e-5
+
+
+def test_worst_diff_keeps_a_nan():
+    assert e2e.worst_diff(0.0, 0.5) == 0.5 and e2e.worst_diff(0.5, 0.25) == 0.5
+    assert math.isnan(e2e.worst_diff(0.0, math.nan)) and math.isnan(e2e.worst_diff(math.nan, 0.1))
