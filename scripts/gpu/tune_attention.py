@@ -1,9 +1,11 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps, stages, splits)
+python3 scripts/gpu/tune_attention.py [quick]  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps, stages,
+splits); ``quick``: the default config and the exact SiLU only
 """
 
 import itertools
+import sys
 
 import torch
 import triton
@@ -35,6 +37,8 @@ def bench(fn):
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
+if "quick" in sys.argv[1:]:
+    CONFIGS = []
 
 
 def sweep(name, args, flops, dim, launch):
