@@ -482,10 +482,12 @@ class KVCacheManager:
                 # keep, pages that hold nothing of this user. Refused; abort the plan.
                 raise ValueError(f"plan {plan.plan_id} has host-tier pages that were never onboarded "
                                  "(onboard_launch before the step); abort it")
-            if plan.onboard_handle is not None:
+            handle = plan.onboard_handle
+            if handle is not None and handle.num_layers:
                 # NOTE: a step waits for every layer it reads; a layer it never waited for must still
-                # land before the entry is published, not be launched later onto published pages.
-                plan.onboard_handle.launch()
+                # land before the entry is published: launched now (a lazy handle) and the caller's
+                # stream ordered after it, so later readers of the pages see it.
+                handle.wait_layer(handle.num_layers - 1)
             req = plan.request
             # NOTE: the core frees stale pages (zombies while a copy reads them), hashes the new
             # full pages with the entry's stream hasher and publishes the entries.
@@ -512,11 +514,12 @@ class KVCacheManager:
         """Roll the step back: its pages are freed, every entry is as before `allocate`."""
         with self._lock:
             self._check_live(plan)
-            if plan.onboard_handle is not None and not plan.onboard_handle.done():
-                # NOTE: the copy still writes into pages we are about to free.
-                self._stats.host_blocking_waits += 1
+            if plan.onboard_handle is not None:
+                # NOTE: the copy may still write into pages we are about to free.
                 try:
-                    plan.onboard_handle.wait()
+                    if not plan.onboard_handle.done():
+                        self._stats.host_blocking_waits += 1
+                        plan.onboard_handle.wait()
                 except Exception:
                     logger.warning("onboard copy of aborted plan %d failed", plan.plan_id)
             elif plan.onboard_handle is None:

@@ -51,11 +51,6 @@ class CopyHandle(ABC):
         """Raise `TransferError` if the (finished) copy failed; never blocks."""
         return None
 
-    def launch(self) -> None:
-        """Launch every copy not launched yet (a handle may launch its layers as they are waited
-        for); never blocks. `wait` and `done` launch them too."""
-        return None
-
 
 class DoneHandle(CopyHandle):
     """A copy of nothing: every wait returns at once."""
@@ -201,25 +196,37 @@ class _CudaHandle(CopyHandle):
 
 class _LazyCudaHandle(_CudaHandle):
     """An onboard whose copies are launched layer by layer as they are needed: layer 0 at once,
-    layer ``i`` by the first ``wait_layer(j >= i)``, every layer by ``wait``, ``done`` or ``launch``.
+    layer ``i`` by the first ``wait_layer(j >= i)``, every layer by ``wait``, ``done`` or ``launch``;
+    after a failed launch every call raises `TransferError` (nothing is launched again).
 
     The first layer's copy is what the first layer waits for; launching the other layers' copies
     (a raw copy and an event each) before returning would delay the caller's first kernels by
     their host time. They go onto the copy stream behind layer 0's, fenced behind what the caller
     had queued at the launch, while the caller's stream runs layer 0: the copy engine stays busy
-    as long as the caller asks for layer ``i + 1`` before layer ``i``'s copy ends.
+    as long as the caller asks for layer ``i + 1`` before layer ``i``'s copy ends. (A manager
+    reaping finished copies for another plan meanwhile calls ``done`` and so launches the rest
+    early: correct, only not lazy.)
     """
 
     def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int) -> None:
         super().__init__([], num_pages, None)
         self.num_layers = num_layers
         self._issue = issue
+        self._failed: BaseException | None = None
         self._upto(0)
 
     def _upto(self, layer: int) -> None:
         with self._lock:
+            if self._failed is not None:
+                # NOTE: never retried: the manager may already have released the host slots of a
+                # copy whose launch failed (it counts as a failed copy)
+                raise TransferError(f"the onboard's copy launch failed: {self._failed}") from self._failed
             while len(self._events) <= layer:
-                self._events.append(self._issue(len(self._events)))
+                try:
+                    self._events.append(self._issue(len(self._events)))
+                except BaseException as exc:
+                    self._failed = exc
+                    raise
 
     def launch(self) -> None:
         self._upto(self.num_layers - 1)
@@ -263,6 +270,9 @@ def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+_UNSET = object()
+
+
 class CudaTransferEngine(TransferEngine):
     """Copies between a CUDA table and a pinned host table on dedicated streams, per-layer events.
 
@@ -290,11 +300,13 @@ class CudaTransferEngine(TransferEngine):
         if not self.raw_copies:
             return None
         key = (src.data_ptr(), src.shape, src.stride(), src.dtype, dst.data_ptr(), dst.shape, dst.stride(), dst.dtype)
-        if key not in self._copiers:
+        copier = self._copiers.get(key, _UNSET)  # no check-then-index: other threads may clear it
+        if copier is _UNSET:
+            copier = raw_copier(src, dst)
             if len(self._copiers) > 64:
                 self._copiers.clear()
-            self._copiers[key] = raw_copier(src, dst)
-        return self._copiers[key]
+            self._copiers[key] = copier
+        return copier
 
     def _fence(self, stream: torch.cuda.Stream) -> None:
         """``stream`` waits for what the caller queued on its current stream so far (raw calls: the

@@ -33,8 +33,15 @@ def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.T
     n = a.shape[1]
     if weight.shape != (n,) or bias.shape != (n,):
         raise ValueError(f"weight and bias must be [{n}], got {tuple(weight.shape)} and {tuple(bias.shape)}")
-    if u.dtype != a.dtype or u.device != a.device:
-        raise ValueError(f"{nu} is {u.dtype} on {u.device}, {na} is {a.dtype} on {a.device}")
+    if u.device != a.device:
+        raise ValueError(f"{nu} is on {u.device}, {na} is on {a.device}")
+
+
+def _kernel_serves(*ts: torch.Tensor | None) -> bool:
+    """One dtype (mixed ones, e.g. an fp32 residual stream and bf16 matmul outputs under autocast,
+    take the torch form, which promotes) and contiguous rows."""
+    ts = tuple(t for t in ts if t is not None)
+    return all(t.dtype == ts[0].dtype and t.stride(-1) == 1 for t in ts)
 
 
 def use_fused(a: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -53,7 +60,7 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     _check(a, weight, bias, u)
     if fused is None:
         fused = use_fused(a, weight, bias, u)
-    if fused and a.stride(-1) == 1 and u.stride(-1) == 1:
+    if fused and _kernel_serves(a, u):
         return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u)
     return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * u
 
@@ -71,7 +78,7 @@ def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias:
                              f"{t.dtype} on {t.device}")
     if fused is None:
         fused = use_fused(x, o, weight, bias)
-    if fused and all(t is None or t.stride(-1) == 1 for t in (x, o, out, normed_out)):
+    if fused and _kernel_serves(x, o, out, normed_out):
         return _triton_kernels().add_layer_norm(x, o, weight, bias, eps, out, normed_out)
     y = x + o if out is None else torch.add(x, o, out=out)
     z = F.layer_norm(y, (y.shape[1],), weight, bias, eps)

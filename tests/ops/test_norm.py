@@ -76,9 +76,17 @@ def test_bad_shapes_are_named(a_shape, u_shape, wn, match):
         norm.layer_norm_mul(torch.zeros(a_shape), torch.ones(wn), torch.zeros(wn), 1e-5, torch.zeros(u_shape))
 
 
-def test_mixed_dtypes_are_named():
-    with pytest.raises(ValueError, match=r"torch\.float16"):
-        norm.layer_norm_mul(torch.zeros(2, 4), torch.ones(4), torch.zeros(4), 1e-5, torch.zeros(2, 4).half())
+def test_mixed_dtypes_take_the_promoting_torch_form_and_devices_must_match():
+    """An fp32 residual stream and bf16 matmul outputs (autocast) promote as torch does."""
+    a, w, b, u = inputs(3, 8, torch.float32, "cpu")
+    got = norm.layer_norm_mul(a, w, b, 1e-5, u.bfloat16(), fused=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch_form(a, w, b, u.bfloat16()), rtol=0, atol=0)
+    y, z = norm.add_layer_norm(a, u.bfloat16(), w, b, 1e-5, fused=True)
+    assert y.dtype == z.dtype == torch.float32
+    torch.testing.assert_close(y, a + u.bfloat16(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="u is on meta, a is on cpu"):
+        norm.layer_norm_mul(a, w, b, 1e-5, torch.zeros(3, 8, device="meta"))
 
 
 def test_layer_finish_into_a_buffer_equals_the_plain_form():
@@ -175,3 +183,55 @@ def test_model_on_gpu_fused_norms_equal_the_torch_forms_within_the_2x_rule(monke
         fused = model(history, candidates).float()
     err, ref_err = (fused - oracle).abs().max().item(), (plain - oracle).abs().max().item()
     assert err <= 2 * ref_err + 1e-6, (err, ref_err)
+
+
+def _users_and_candidates(seed=5):
+    from tests.modules.helpers import User
+
+    g = torch.Generator().manual_seed(seed)
+    users = [User(u, g) for u in range(3)]
+    for n, user in zip((12, 3, 20), users):
+        user.grow(n)
+    return users, [user.candidates(4) for user in users]
+
+
+def test_model_with_the_kernels_forced_equals_the_torch_forms_full_and_cached(monkeypatch):
+    """The model's loops with the norm kernels (interpreter on CPU, fp32): the full pass equals the
+    torch forms, and the cached pass (second visit, history from pages) equals the full pass."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    from tests.modules.helpers import cached_scores, full_scores, tiny_cache, tiny_model
+
+    model = tiny_model(0).eval()
+    users, cands = _users_and_candidates()
+    plain = full_scores(model, users, cands)
+    calls = []
+    monkeypatch.setattr(norm, "use_fused", lambda *a: calls.append(1) or True)
+    fused = full_scores(model, users, cands)
+    assert calls, "the kernels were not used"
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    cache = tiny_cache(model)
+    cached_scores(model, cache, users, cands)
+    for user in users:
+        user.grow(3)
+    cands = [user.candidates(4) for user in users]
+    got, plan = cached_scores(model, cache, users, cands)
+    assert sum(plan.cached_lengths) > 0
+    torch.testing.assert_close(got, full_scores(model, users, cands), rtol=1e-5, atol=1e-5)
+
+
+def test_model_runs_under_autocast_as_lightning_bf16_mixed_does():
+    """``precision: bf16-mixed``: an fp32 residual stream meets bf16 matmul outputs; the forward
+    promotes as torch does, is close to fp32, and trains (gradients reach every layer)."""
+    from tests.modules.helpers import full_scores, make_inputs, tiny_model
+
+    model = tiny_model(0)
+    users, cands = _users_and_candidates()
+    want = full_scores(model, users, cands)
+    history, candidates, _, _ = make_inputs(users, cands)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(history, candidates)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+    got.float().sum().backward()
+    assert all(layer.uvqk.weight.grad is not None for layer in model.layers)

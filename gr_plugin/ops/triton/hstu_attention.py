@@ -58,7 +58,9 @@ def _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h
 @triton.jit
 def _weights(q, k, alpha, IEEE: tl.constexpr, FAST: tl.constexpr):
     """``SiLU(alpha q k^T)`` of a query block and a key block, in fp32; the ``1 / n_norm`` is applied
-    once to the accumulated output instead (one multiply per output element, not per weight).
+    once to the accumulated output instead (one multiply per output element, not per weight). The
+    weights are rounded to the values' dtype for the second matmul unscaled: in fp16 that overflows
+    only where ``alpha q.k`` passes 65504, and no longer underflows small weights divided by n_norm.
 
     ``FAST`` (CUDA, bf16 only): ``SiLU(y) = y/2 (1 + tanh(y/2))`` with the hardware ``tanh.approx``,
     one special-function op per weight instead of two (exp and reciprocal); its relative error
@@ -154,21 +156,38 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
 
 
-def _blocks(head_dim: int, dtype: torch.dtype, paged: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size, element size and form.
+def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size, element size, form and device.
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention.py`, every split count per config,
     docs/BENCHMARKS.md): the paged form at head_dim 128 in bf16 runs fastest with 128x128 tiles and
-    8 warps (0.103 ms vs 0.112 ms for 64x64 at bs 8); the jagged form prefers 64x64. fp32 keeps
-    the small tiles (128x128 fp32 tiles do not fit in shared memory)."""
+    8 warps (0.103 ms vs 0.112 ms for 64x64 at bs 8); the jagged form prefers 64x64. Those tiles
+    take ~160 KB of shared memory, so only devices with about 200 KB per block (Hopper) get them;
+    fp32 keeps the small tiles (128x128 fp32 tiles do not fit)."""
     if head_dim >= 256:
         return 64, 32, 4, 2
-    if head_dim >= 128 and paged and dtype.itemsize == 2:
+    if head_dim >= 128 and paged and dtype.itemsize == 2 and _shared_memory(device) >= 200 * 1024:
         return 128, 128, 8, 2
     return 64, 64, 4, 3
 
 
 _SMS: dict[int, int] = {}
+
+
+_SMEM: dict[int, int] = {}
+
+
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a block may opt into, in bytes (0 off CUDA, or where torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM:
+        try:  # Triton's own query (what its compiler checks a kernel's shared memory against)
+            _SMEM[idx] = int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+        except Exception:
+            _SMEM[idx] = int(getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", 0))
+    return _SMEM[idx]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -189,7 +208,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     bsz = q_offsets.numel() - 1
-    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged)
+    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
     if num_splits is None:
         # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while each
