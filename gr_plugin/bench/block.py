@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
-from gr_plugin.modules.hstu import HSTUConfig, HSTULayer
+from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, next_layer
 from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention
 
 logger = logging.getLogger(__name__)
@@ -127,9 +127,6 @@ class Block:
         return self.cache.allocate(self.cache.lookup(req))
 
     # -- forward (the model's own loops: `HSTURanker.forward_layout` / `forward_cached`) ----------
-    def _next(self, i: int) -> HSTULayer | None:
-        return self.layers[i + 1] if i + 1 < len(self.layers) else None
-
     def full_fn(self, bs: int, hist: int, cands: int):
         c = self.cfg
         lens = [hist + cands] * bs
@@ -142,7 +139,7 @@ class Block:
                 u, q, k, v = layer.project(y, normed)
                 a = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
                                           n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
-                y, normed = layer.finish_and_norm(y, u, a, self._next(i))
+                y, normed = layer.finish_and_norm(y, u, a, next_layer(self.layers, i))
             return y
 
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
@@ -169,7 +166,7 @@ class Block:
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
                                          num_history_tokens=meta.num_total_tokens)
-                y, normed = layer.finish_and_norm(y, u, a, self._next(i))
+                y, normed = layer.finish_and_norm(y, u, a, next_layer(self.layers, i))
             return y
 
         hist = meta.max_total_len
@@ -222,7 +219,7 @@ class StaticStep:
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
                                  max_history_len=self.max_hist, num_history_tokens=self.num_hist)
-        nxt = self.blk._next(i)
+        nxt = next_layer(self.blk.layers, i)
         layer.finish_and_norm(self.ys[i], u, a, nxt, out=self.ys[i + 1],
                               normed_out=None if nxt is None else self.normed[i + 1])
 

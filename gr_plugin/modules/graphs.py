@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from gr_plugin.cache import BatchPlan
-from gr_plugin.modules.hstu import HSTURanker
+from gr_plugin.modules.hstu import HSTURanker, next_layer
 from gr_plugin.modules.kv_cache import KVCacheModule
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
 from gr_plugin.ops import paged_hstu_attention
@@ -114,9 +114,8 @@ class CachedStackGraphs:
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.tokens, max_history_len=self._max_history, num_history_tokens=0)
-        last = i + 1 == len(self.model.layers)
-        layer.finish_and_norm(b.ys[i], u, a, None if last else self.model.layers[i + 1], out=b.ys[i + 1],
-                              normed_out=None if last else b.normed[i + 1])
+        nxt = next_layer(self.model.layers, i)
+        layer.finish_and_norm(b.ys[i], u, a, nxt, out=b.ys[i + 1], normed_out=None if nxt is None else b.normed[i + 1])
 
     def _head(self, b: _Bucket) -> torch.Tensor:
         return self.model.head_rows(b.ys[-1], b.view("cand_rows"))

@@ -84,6 +84,11 @@ class HSTUConfig:
         return self.alpha if self.alpha is not None else 1.0 / math.sqrt(self.head_dim)
 
 
+def next_layer(layers, i: int) -> HSTULayer | None:
+    """The layer after ``layers[i]`` (whose input norm `HSTULayer.finish_and_norm` computes), or None."""
+    return layers[i + 1] if i + 1 < len(layers) else None
+
+
 class HSTULayer(nn.Module):
     def __init__(self, config: HSTUConfig, device: torch.device | None = None) -> None:
         super().__init__()
@@ -109,15 +114,15 @@ class HSTULayer(nn.Module):
         y = self._output(u, attn)
         return x + y if out is None else torch.add(x, y, out=out)
 
-    def finish_and_norm(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, next_layer: HSTULayer | None,
+    def finish_and_norm(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, following: HSTULayer | None,
                         out: torch.Tensor | None = None,
                         normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`finish` and the next layer's input norm of its result, ``(y, next_layer.input_norm(y))``
+        """`finish` and the next layer's input norm of its result, ``(y, following.input_norm(y))``
         (``None`` for the last layer), into ``out`` / ``normed_out`` when given: one pass on CUDA
         inference (`gr_plugin.ops.norm`); the next layer's `project` takes it as ``normed``."""
-        if next_layer is None:
+        if following is None:
             return self.finish(x, u, attn, out), None
-        n = next_layer.input_norm
+        n = following.input_norm
         return add_layer_norm(x, self._output(u, attn), n.weight, n.bias, n.eps, out=out, normed_out=normed_out)
 
     def _output(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -199,11 +204,8 @@ class HSTURanker(nn.Module):
             u, q, k, v = layer.project(x, normed)
             attn = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
                                          n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
-            x, normed = layer.finish_and_norm(x, u, attn, self._next(i))
+            x, normed = layer.finish_and_norm(x, u, attn, next_layer(self.layers, i))
         return self._head(x, layout)
-
-    def _next(self, i: int) -> HSTULayer | None:
-        return self.layers[i + 1] if i + 1 < len(self.layers) else None
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
@@ -228,7 +230,7 @@ class HSTURanker(nn.Module):
         for i, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x, normed)
             attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
-            x, normed = layer.finish_and_norm(x, u, attn, self._next(i))
+            x, normed = layer.finish_and_norm(x, u, attn, next_layer(self.layers, i))
         return self._head(x, layout)
 
     def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:
