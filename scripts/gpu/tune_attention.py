@@ -1,7 +1,9 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py [quick]  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps, stages,
-splits); ``quick``: the default config and the exact SiLU only
+python3 scripts/gpu/tune_attention.py [quick|schedules]  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps,
+stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
+grids side by side (split vs stream-K, plain vs TMA loads, warp specialisation, programs per SM), then
+``quick``
 """
 
 import itertools
@@ -37,8 +39,40 @@ def bench(fn):
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
-if "quick" in sys.argv[1:]:
+if "quick" in sys.argv[1:] or "schedules" in sys.argv[1:]:
     CONFIGS = []
+
+
+def schedules(name, args, flops, max_q, max_kv, sms):
+    """The paged kernel's grids, each timed in this one run (ms, TFLOP/s)."""
+    variants = {
+        "split (old default)": dict(schedule="split", tma=False),
+        "split + tma": dict(schedule="split", tma=True),
+        "stream": dict(schedule="stream", tma=False),
+        "stream + tma": dict(schedule="stream", tma=True),
+        "stream + tma + ws": dict(schedule="stream", tma=True, warp_specialize=True),
+        "stream + tma, 64x128 2/SM": dict(schedule="stream", tma=True, blocks=(64, 128, 4, 2), programs=2 * sms),
+        "stream + tma, 64x64 2/SM": dict(schedule="stream", tma=True, blocks=(64, 64, 4, 3), programs=2 * sms),
+        "stream + tma, 128x64": dict(schedule="stream", tma=True, blocks=(128, 64, 8, 3)),
+        "stream + tma, 128x128 s3": dict(schedule="stream", tma=True, blocks=(128, 128, 8, 3)),
+        "stream, max_q = all tokens (graphs)": dict(schedule="stream", max_q=args[0].shape[0]),
+        "default": dict(),
+    }
+    ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, schedule="split", tma=False)
+    print(f"{name}:")
+    for label, kw in variants.items():
+        kw = dict(kw)
+        mq = kw.pop("max_q", max_q)
+        if args[-1].numel() and (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3]:
+            continue
+        fn = lambda: tri._launch(*args, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv, **kw)  # noqa: E731
+        try:
+            diff = (fn().float() - ref.float()).abs().max().item()
+            ms = bench(fn)
+        except Exception as e:  # a variant that does not compile is reported, not fatal
+            print(f"   {label}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs split {diff:.2e})")
 
 
 def sweep(name, args, flops, dim, launch):
@@ -59,6 +93,19 @@ def sweep(name, args, flops, dim, launch):
     for ms, bm, bn, w, st, sp in results[:6]:
         print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
 
+
+if "schedules" in sys.argv[1:]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (bs, hist, new, cands, heads, dim, page) in {
+        "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
+        "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
+        "paged bs4 h4096 d128 p128": (4, 4096, 128, 256, 4, 128, 128),
+        "paged bs32 h4096 d128 p128": (32, 4096, 128, 256, 4, 128, 128),
+        "paged bs8 h1024 d128 p128": (8, 1024, 128, 256, 4, 128, 128),
+        "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
+    }.items():
+        args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
+        schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms)
 
 for name, (bs, hist, new, cands, heads, dim, page) in {
     "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),

@@ -79,6 +79,29 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize(("hist", "cand", "cached"), CASES + [([200, 5, 130, 0], [9, 1, 4, 3], [150, 5, 0, 0])])
+@pytest.mark.parametrize(("page_size", "programs", "tma"), [(8, 7, False), (64, 1, False), (64, 3, True),
+                                                             (16, 40, False)])
+def test_interpreter_stream_k_matches_reference(hist, cand, cached, page_size, programs, tma):
+    """Stream-K (the paged form's default schedule): the tiles' key blocks cut into one range per
+    program, tiles shared by programs summed by the last to finish; 1 program (every tile whole), a few
+    (tiles cut in two or three), more programs than key blocks (some programs idle); ``tma``: full
+    blocks read through a tensor descriptor (the interpreter emulates it)."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU test")
+    _, paged = build(hist, cand, cached, page_size, 2, 16, torch.float16, "cpu")
+    want = run(ref, "paged", paged, torch.float32)
+    blocks = (16, min(page_size, 64), 4, 1)
+    got = run(tri, "paged", {**paged, "schedule": "stream", "programs": programs, "tma": tma, "blocks": blocks})
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-3)
+
+
+def test_schedule_is_checked():
+    _, paged = build([9], [2], [3], 8, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="schedule must be None, 'split' or 'stream', got 'persistent'"):
+        run(tri, "paged", {**paged, "schedule": "persistent"})
+
+
 @pytest.mark.parametrize("layer", [0, 2])
 @pytest.mark.parametrize("page_size", [8, 64])  # 64: a key block within one page (the kernel's one-index branch)
 def test_whole_table_form_equals_the_layer_view(layer, page_size):
@@ -116,8 +139,13 @@ def test_whole_table_form_equals_the_layer_view(layer, page_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("fast_silu", [False, True])
-def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size, dtype, seed, fast_silu, monkeypatch):
+@pytest.mark.parametrize("schedule", ["split", "stream"])
+def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size, dtype, seed, fast_silu, schedule,
+                                                           monkeypatch):
+    if which == "jagged" and schedule == "stream":
+        pytest.skip("the jagged form runs split (many tiles)")
     monkeypatch.setattr(tri, "FAST_SILU", fast_silu)  # tanh.approx SiLU (bf16 only)
+    monkeypatch.setattr(tri, "SCHEDULE", schedule)
     g = torch.Generator().manual_seed(seed)
     bsz = 4
     hist = torch.randint(0, 700, (bsz,), generator=g).tolist()
@@ -134,6 +162,30 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     err_kernel = (kernel.float() - exact).abs().max().item()
     err_torch = (torch_low - exact).abs().max().item()
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
+    if which == "paged":  # stream-K adds a shared tile's parts in program order: the same bits every run
+        again = run(tri, which, {k: (v.to(dtype) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()})
+        assert torch.equal(again, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("programs", [None, 5, 300])
+def test_gpu_stream_k_and_tma_equal_the_split_kernel(tma, programs):
+    """Long histories, bs 1 and 8 (the block bench's shapes, scaled down): stream-K with one program per
+    SM, few programs (whole tiles in sequence) and more programs than SMs, with and without the TMA
+    loads, no less accurate than the split schedule (the same products, summed in another order)."""
+    g = torch.Generator().manual_seed(3)
+    for bsz in (1, 8):
+        hist = torch.randint(1000, 2100, (bsz,), generator=g).tolist()
+        cand = [64] * bsz
+        cached = [h - 32 for h in hist]
+        _, paged = build(hist, cand, cached, 128, 4, 128, torch.float32, "cuda", 3)
+        args = {k: (v.to(torch.bfloat16) if k in ("q", "k", "v", "kv_layer") else v) for k, v in paged.items()}
+        exact = run(ref, "paged", paged, torch.float32)
+        split = run(tri, "paged", {**args, "schedule": "split", "num_splits": 1, "tma": False}).float()
+        got = run(tri, "paged", {**args, "schedule": "stream", "programs": programs, "tma": tma}).float()
+        assert not got.isnan().any()
+        assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6
 
 
 def test_training_takes_the_differentiable_path(monkeypatch):

@@ -22,16 +22,24 @@ from gr_plugin.ops.triton import table_layout
 
 
 @triton.jit
-def _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh, stride_vt,
-             stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
-             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
+             stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
     """K and V ``[BLOCK_N, HEAD_DIM]`` of history positions ``n0..n0+BLOCK_N`` (zeros past ``kv_hi``);
-    a page index ``p`` of ``kv_indices`` is page ``layer_pages + p`` of ``KV``."""
+    a page index ``p`` of ``kv_indices`` is page ``layer_pages + p`` of ``KV``. ``TMA`` (unmasked
+    blocks within one page): through the tensor descriptor ``KVD`` of the table seen as rows of
+    ``stride_pt`` elements (the copy engine of Hopper's TMA instead of per-thread addresses)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < kv_hi
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0:  # the whole block lies in one page: one index, contiguous rows
             page = tl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(tl.int64) + layer_pages
+            if TMA and not MASKED:
+                row = (page * (stride_pp // stride_pt) + n0 % PAGE_SIZE).to(tl.int32)
+                k = KVD.load([row, h * stride_ph])
+                v = KVD.load([row + (stride_pkv // stride_pt).to(tl.int32), h * stride_ph])
+                return k, v
             base = page * stride_pp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_pt \
                 + h * stride_ph
         elif MASKED:
@@ -86,23 +94,29 @@ def _accumulate(acc, p, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _hstu_fwd(
-    Q, K, V, Out, KV, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_pp, stride_pkv, stride_pt, stride_ph,
-    alpha, inv_norm,
-    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, FAST: tl.constexpr,
-):
-    pid_m = tl.program_id(0) // SPLITS
-    split = tl.program_id(0) % SPLITS
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(q_len, key blocks)`` of the query rows ``m0..m0+BLOCK_M`` of user ``b``: the history keys up
+    to the last one any of those rows sees (its own position for a history row, the whole history
+    for a candidate). ``_stream_tiles`` computes the same for every tile at once."""
+    q_len = (tl.load(q_offsets + b + 1) - tl.load(q_offsets + b)).to(tl.int32)
+    hist = tl.load(hist_lens + b).to(tl.int32)
+    new = tl.load(new_lens + b).to(tl.int32)
+    last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    kv_end = tl.minimum(hist, tl.where(last < new, hist - new + last, hist - 1) + 1)
+    return q_len, tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
+
+
+@triton.jit
+def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+          blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+          stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
+          PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
+    ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
+    (exactly one of the programs sharing a tile); returns it with the rows' positions in ``Q`` and their mask."""
     q_start = tl.load(q_offsets + b).to(tl.int64)
     q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-    m0 = pid_m * BLOCK_M
-    if m0 >= q_len:
-        return
     hist = tl.load(hist_lens + b).to(tl.int32)
     new = tl.load(new_lens + b).to(tl.int32)
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -114,46 +128,163 @@ def _hstu_fwd(
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
     kv_end = tl.minimum(hist, tl.max(tl.where(row_ok, qpos, -1), axis=0) + 1)
-    # NOTE: HSTU attention has no softmax, so key ranges split over programs simply add up.
-    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), SPLITS) * BLOCK_N
-    kv_lo = split * per_split
-    kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+    # NOTE: HSTU attention has no softmax, so sums over key ranges taken by different programs add up.
+    kv_lo = blk_lo * BLOCK_N
+    kv_hi = tl.minimum(kv_end, blk_hi * BLOCK_N)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
     # NOTE: key blocks that every query of this block may see need no mask: run them first.
     q_min = tl.min(tl.where(row_ok, qpos, hist), axis=0)
     full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ((q_min + 1) // BLOCK_N) * BLOCK_N))
-    for n0 in range(kv_lo, full_hi, BLOCK_N):
-        k, v = _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
-                        PAGE_SIZE, PAGED, BLOCK_N, False)
+    for n0 in tl.range(kv_lo, full_hi, BLOCK_N, warp_specialize=WS):
+        k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
+                        stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                        PAGE_SIZE, PAGED, BLOCK_N, False, TMA, HEAD_DIM)
         acc = _accumulate(acc, _weights(q, k, alpha, IEEE, FAST), v, IEEE)
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
-        k, v = _load_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
-                        PAGE_SIZE, PAGED, BLOCK_N, True)
+        k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
+                        stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                        PAGE_SIZE, PAGED, BLOCK_N, True, TMA, HEAD_DIM)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
         acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, IEEE, FAST), 0.0), v, IEEE)
-    # a candidate also sees itself (added once, by the first split)
-    cand = row_ok & (rows >= new) & (split == 0)
+    # a candidate also sees itself (added once, by the program taking the tile's first part)
+    cand = row_ok & (rows >= new) & first
     k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
     v_self = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
     s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha
     w_self = tl.where(cand, s_self * tl.sigmoid(s_self), 0.0)
-    acc = (acc + w_self[:, None] * v_self.to(tl.float32)) * inv_norm
-    out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
-    if SPLITS == 1:
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    acc = acc + w_self[:, None] * v_self.to(tl.float32)
+    return acc, q_rows, row_ok
+
+
+@triton.jit
+def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """Work units of every tile, tiles in order (user, head, query block): a live tile's key blocks,
+    at least 1 (a candidate with no history still sees itself); 0 for a tile past its user's queries.
+    Returns ``units [BSZ_PAD, M_PAD]`` (per head), their running sum along each row, each user's
+    first unit and the total."""
+    bi = tl.arange(0, BSZ_PAD)
+    mi = tl.arange(0, M_PAD)
+    b_ok = bi < bsz
+    q_len = (tl.load(q_offsets + bi + 1, mask=b_ok, other=0) - tl.load(q_offsets + bi, mask=b_ok, other=0))
+    q_len = q_len.to(tl.int32)[:, None]
+    hist = tl.load(hist_lens + bi, mask=b_ok, other=0).to(tl.int32)[:, None]
+    new = tl.load(new_lens + bi, mask=b_ok, other=0).to(tl.int32)[:, None]
+    m0 = (mi * BLOCK_M)[None, :]
+    live = b_ok[:, None] & (mi < m_blocks)[None, :] & (m0 < q_len)
+    last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    kv_end = tl.minimum(hist, tl.where(last < new, hist - new + last, hist - 1) + 1)
+    units = tl.where(live, tl.maximum(tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N), 1), 0)
+    per_user = tl.sum(units, axis=1) * heads
+    user_end = tl.cumsum(per_user, axis=0)
+    return units, tl.cumsum(units, axis=1), user_end - per_user, tl.sum(per_user, axis=0)
+
+
+@triton.jit
+def _hstu_fwd(
+    Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
+    bsz, m_blocks, heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_pp, stride_pkv, stride_pt, stride_ph,
+    alpha, inv_norm,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, FAST: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
+):
+    d = tl.arange(0, HEAD_DIM)
+    if not STREAM:
+        # one (query block, key split) per program, grid (m_blocks * SPLITS, bsz, heads)
+        pid_m = tl.program_id(0) // SPLITS
+        split = tl.program_id(0) % SPLITS
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        m0 = pid_m * BLOCK_M
+        q_len, nb = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
+        if m0 >= q_len:
+            return
+        acc, q_rows, row_ok = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens,
+                                    new_lens, b, h, m0, nb * split // SPLITS, nb * (split + 1) // SPLITS, split == 0,
+                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                    stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
+                                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+        out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+        if SPLITS == 1:
+            tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.atomic_add(out_ptrs, acc * inv_norm, mask=row_ok[:, None])
     else:
-        tl.atomic_add(out_ptrs, acc, mask=row_ok[:, None])
+        # NOTE: stream-K. The tiles' key blocks, laid end to end, are cut into one equal range per
+        # program (a persistent grid of about one program per SM), so a batch with fewer tiles than
+        # SMs still fills the GPU and no program waits on a longer one. A tile cut between programs
+        # is finished by the last of them to arrive (a per-tile counter of the units done): it adds
+        # every part in program order, so the result does not depend on the order of arrival.
+        pid = tl.program_id(0)
+        npg = tl.num_programs(0)
+        units, run, user_start, total = _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
+                                                      BLOCK_M, BLOCK_N, BSZ_PAD, M_PAD)
+        bi = tl.arange(0, BSZ_PAD)
+        mi = tl.arange(0, M_PAD)
+        total64 = total.to(tl.int64)
+        u_lo = (pid * total64 // npg).to(tl.int32)
+        u_hi = ((pid + 1) * total64 // npg).to(tl.int32)
+        r = tl.arange(0, BLOCK_M)
+        u = u_lo
+        while u < u_hi:
+            # the tile holding unit u: its user, head and query block
+            b = tl.sum(((user_start <= u) & (bi < bsz)).to(tl.int32), axis=0) - 1
+            us = tl.sum(tl.where(bi == b, user_start, 0), axis=0)
+            row_units = tl.sum(tl.where((bi == b)[:, None], units, 0), axis=0)
+            row_run = tl.sum(tl.where((bi == b)[:, None], run, 0), axis=0)
+            per_head = tl.sum(row_units, axis=0)
+            h = (u - us) // per_head
+            w = u - us - h * per_head
+            m = tl.sum((row_run <= w).to(tl.int32), axis=0)
+            n_units = tl.sum(tl.where(mi == m, row_units, 0), axis=0)
+            ts = us + h * per_head + tl.sum(tl.where(mi == m, row_run, 0), axis=0) - n_units
+            te = ts + n_units
+            e = tl.minimum(u_hi, te)
+            acc, q_rows, row_ok = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens,
+                                        new_lens, b, h, m * BLOCK_M, u - ts, e - ts, u == ts,
+                                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                        stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
+                                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+            out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+            if (u == ts) & (e == te):  # the whole tile is this program's
+                tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
+            else:
+                # a program's part of its first tile goes to its slot 0, of its last tile to slot 1
+                slot = (u != u_lo).to(tl.int32)
+                tl.store(Part + ((pid * 2 + slot) * BLOCK_M + r)[:, None] * HEAD_DIM + d[None, :], acc)
+                tl.debug_barrier()
+                tile = (b * heads + h) * m_blocks + m
+                done = tl.atomic_add(Done + tile, e - u, sem="acq_rel", scope="gpu") + (e - u)
+                if done == n_units:
+                    tl.debug_barrier()
+                    out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+                    p_lo = tl.maximum(ts.to(tl.int64) * npg // total64 - 1, 0).to(tl.int32)
+                    p_hi = tl.minimum(te.to(tl.int64) * npg // total64 + 2, npg).to(tl.int32)
+                    for p in range(p_lo, p_hi):
+                        pl = (p * total64 // npg).to(tl.int32)
+                        ph = ((p + 1) * total64 // npg).to(tl.int32)
+                        if (pl < te) & (ph > ts) & (ph > pl):
+                            ps = (pl < ts).to(tl.int32)
+                            out += tl.load(Part + ((p * 2 + ps) * BLOCK_M + r)[:, None] * HEAD_DIM + d[None, :],
+                                           cache_modifier=".cg")
+                    tl.store(out_ptrs, (out * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
+            u = e
 
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # NOTE: on by default since the kernel's GPU tests (tests/ops/test_triton_attention.py, the bf16 error
 # rule, both settings) passed on the H200; GR_PLUGIN_FAST_SILU=0 turns it off.
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
+# GR_PLUGIN_ATTENTION_SCHEDULE=auto|split|stream: the grid (`_launch`); GR_PLUGIN_ATTENTION_TMA=0: plain
+# pointer loads everywhere.
+SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "auto")
+TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
 
 
 def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
@@ -199,25 +330,51 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
+    """Whether the paged kernel reads full key blocks through a TMA descriptor: Hopper or newer, a
+    block within one page, a contiguous table of 16-bit values, eager launches only (a traced
+    kernel keeps plain pointers: Inductor need not know descriptors)."""
+    if not (kv.is_cuda and type(kv) is torch.Tensor and TMA and page_size % block_n == 0):
+        return False
+    if torch.compiler.is_compiling() or not kv.is_contiguous() or kv.dtype.itemsize != 2:
+        return False
+    return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
+
+
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
-            max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None):
+            max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
+            tma=None, warp_specialize=False):
+    """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
+    ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None picks
+    stream-K for the paged form and splits for the jagged one, unless ``num_splits`` is given."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    if schedule not in (None, "split", "stream"):
+        raise ValueError(f"schedule must be None, 'split' or 'stream', got {schedule!r}")
     bsz = q_offsets.numel() - 1
     block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
-    if num_splits is None:
+    bsz_pad, m_pad = triton.next_power_of_2(max(bsz, 1)), triton.next_power_of_2(m_blocks)
+    if schedule is None:
+        # NOTE: the tiles' table of `_stream_tiles` lives in registers: a bounded size.
+        stream = SCHEDULE == "stream" or (SCHEDULE == "auto" and paged and num_splits is None)
+        schedule = "stream" if stream and bsz_pad * m_pad <= 4096 else "split"
+    stream = schedule == "stream"
+    if stream:
+        num_splits = 1
+        programs = programs or _num_sms(q.device)
+    elif num_splits is None:
         # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while each
         # program walks the whole history: split the keys, up to about one program per SM. More
         # than one wave measured slower on the H200 (a half-full second wave; the fp32 partial sums'
         # atomics), e.g. bs 8, 4096 history, head_dim 128: 96 programs unsplit 0.103 ms, split 2 0.125 ms.
-        programs = m_blocks * bsz * heads
+        n_programs = m_blocks * bsz * heads
         kv_blocks = triton.cdiv(max(max_kv_len if max_kv_len is not None else max_q_len, 1), block_n)
-        want = max(1, min(_num_sms(q.device) // programs, kv_blocks // 4, 32))
+        want = max(1, min(_num_sms(q.device) // n_programs, kv_blocks // 4, 32))
         num_splits = 1 << (want.bit_length() - 1)  # a power of two: few kernel specialisations
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
     if nq == 0 or bsz == 0:
@@ -232,33 +389,50 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
-    grid = (m_blocks * num_splits, bsz, heads)
+    if tma is None:
+        tma = paged and _use_tma(kv, page_size, block_n)
+    desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim])
+    if stream:
+        part = torch.empty(programs, 2, block_m, dim, dtype=torch.float32, device=q.device)
+        done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
+        grid = (programs, 1, 1)
+    else:
+        part, done = out, q_offsets  # unused
+        grid = (m_blocks * num_splits, bsz, heads)
     _hstu_fwd[grid](
-        q, k, v, out, kv_arg, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens,
+        q, k, v, out, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done,
+        bsz, m_blocks, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), TMA=bool(tma),
+        WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=bsz_pad if stream else 1, M_PAD=m_pad if stream else 1,
+        num_warps=warps, num_stages=stages,
     )
     return out if num_splits == 1 else out.to(q.dtype)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
-                          max_seq_len: int, num_splits: int | None = None) -> torch.Tensor:
+                          max_seq_len: int, num_splits: int | None = None, **launch) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]`` (history then candidates per sequence)."""
     lengths = seq_offsets[1:] - seq_offsets[:-1]
     hist = lengths - num_candidates
     return _launch(q, k, v, None, None, None, seq_offsets, hist, hist, alpha, n_norm, max_seq_len, paged=False,
-                   max_kv_len=max_seq_len, num_splits=num_splits)
+                   max_kv_len=max_seq_len, num_splits=num_splits, **launch)
 
 
 def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int,
-                         num_splits: int | None = None, layer: int | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, layer: int | None = None, **launch) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``kv_layer [num_pages, 2, P, H, D]``, or
     layer ``layer`` of the whole table ``[L, num_pages, 2, P, H, D]`` (`table_layout`)."""
     return _launch(q, k, v, kv_layer, kv_indices, kv_indptr, q_offsets, history_lengths, new_lengths, alpha, n_norm,
-                   max_q_len, paged=True, max_kv_len=max_history_len, num_splits=num_splits, layer=layer)
+                   max_q_len, paged=True, max_kv_len=max_history_len, num_splits=num_splits, layer=layer,
+                   **launch)
