@@ -8,6 +8,7 @@ grids side by side (split vs stream-K, plain vs TMA loads, warp specialisation, 
 
 import itertools
 import sys
+import time
 
 import torch
 import triton
@@ -43,55 +44,59 @@ if "quick" in sys.argv[1:] or "schedules" in sys.argv[1:]:
     CONFIGS = []
 
 
+def graphed(fn):
+    """GPU time per call, launches replayed from a CUDA graph (what the graph buckets run): the
+    kernel's time without the host's launch cost, which `bench` includes once it exceeds the kernel."""
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def eager_us(fn, n=200):
+    """Wall time per call of ``n`` eager calls (host launch cost included), in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def schedules(name, args, flops, max_q, max_kv, sms):
-    """The paged kernel's grids, each timed in this one run (ms, TFLOP/s)."""
+    """The paged kernel's grids side by side in this one run: graphed ms (min over 3 interleaved
+    rounds), TFLOP/s, eager wall us per call."""
+    bs, heads = args[6].numel() - 1, args[0].shape[1]
     variants = {
-        "split (old default)": dict(schedule="split", tma=False),
+        "split": dict(schedule="split", tma=False),
         "split + tma": dict(schedule="split", tma=True),
         "stream": dict(schedule="stream", tma=False),
         "stream + tma": dict(schedule="stream", tma=True),
         "stream + tma + ws": dict(schedule="stream", tma=True, warp_specialize=True),
-        "stream + tma, 64x128 2/SM": dict(schedule="stream", tma=True, blocks=(64, 128, 4, 2), programs=2 * sms),
+        "stream + tma, 1 program per tile": dict(schedule="stream", tma=True, programs=bs * heads * -(-max_q // 128)),
         "stream + tma, 64x64 2/SM": dict(schedule="stream", tma=True, blocks=(64, 64, 4, 3), programs=2 * sms),
-        "stream + tma, 128x64": dict(schedule="stream", tma=True, blocks=(128, 64, 8, 3)),
-        "stream + tma, 128x128 s3": dict(schedule="stream", tma=True, blocks=(128, 128, 8, 3)),
         "stream, max_q = all tokens (graphs)": dict(schedule="stream", max_q=args[0].shape[0]),
-        "default": dict(),
     }
     ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, schedule="split", tma=False)
-    print(f"{name}:")
+    fns, best = {}, {}
     for label, kw in variants.items():
         kw = dict(kw)
         mq = kw.pop("max_q", max_q)
-        if args[-1].numel() and (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3]:
+        if (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3] or (args[0].shape[-1] > 128 and "blocks" in kw):
             continue
-        fn = lambda: tri._launch(*args, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv, **kw)  # noqa: E731
+        fn = (lambda mq, kw: lambda: tri._launch(*args, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv, **kw))(mq, kw)
         try:
             diff = (fn().float() - ref.float()).abs().max().item()
-            ms = bench(fn)
         except Exception as e:  # a variant that does not compile is reported, not fatal
             print(f"   {label}: {type(e).__name__}: {str(e)[:200]}")
             continue
-        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs split {diff:.2e})")
-
-
-def sweep(name, args, flops, dim, launch):
-    results = []
-    for (bm, bn, w, st), splits in itertools.product(CONFIGS, SPLITS):
-        if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
-            continue
-        try:
-            ms = bench(lambda: launch(args, splits, (bm, bn, w, st), True))
-        except Exception as e:  # a config that does not compile is reported, not fatal
-            print(f"   BM={bm} BN={bn} warps={w} stages={st} splits={splits}: {type(e).__name__}")
-            ms = float("nan")
-        results.append((ms, bm, bn, w, st, splits))
-    results.sort(key=lambda r: (r[0] != r[0], r[0]))
-    default = bench(lambda: launch(args, None, None, None))
-    exact = bench(lambda: launch(args, None, None, False))
-    print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s), exact SiLU {exact:.3f} ms; best:")
-    for ms, bm, bn, w, st, sp in results[:6]:
-        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
+        fns[label], best[label] = (fn, diff), float("inf")
+    for _ in range(3):
+        for label, (fn, _) in fns.items():
+            best[label] = min(best[label], graphed(fn))
+    print(f"{name}:")
+    for label, (fn, diff) in fns.items():
+        ms = best[label]
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  eager {eager_us(fn):.0f} us/call  {label}  "
+              f"(max diff vs split {diff:.2e})")
 
 
 if "schedules" in sys.argv[1:]:
@@ -100,12 +105,12 @@ if "schedules" in sys.argv[1:]:
         "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
         "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
         "paged bs4 h4096 d128 p128": (4, 4096, 128, 256, 4, 128, 128),
-        "paged bs32 h4096 d128 p128": (32, 4096, 128, 256, 4, 128, 128),
         "paged bs8 h1024 d128 p128": (8, 1024, 128, 256, 4, 128, 128),
         "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
     }.items():
         args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
         schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms)
+    sys.exit(0)
 
 for name, (bs, hist, new, cands, heads, dim, page) in {
     "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
