@@ -96,10 +96,39 @@ def test_interpreter_stream_k_matches_reference(hist, cand, cached, page_size, p
     torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-3)
 
 
-def test_schedule_is_checked():
+def test_schedule_is_checked(monkeypatch):
     _, paged = build([9], [2], [3], 8, 2, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="schedule must be None, 'split' or 'stream', got 'persistent'"):
         run(tri, "paged", {**paged, "schedule": "persistent"})
+    monkeypatch.setattr(tri, "SCHEDULE", "auto")
+    with pytest.raises(ValueError, match="GR_PLUGIN_ATTENTION_SCHEDULE must be split or stream, got 'auto'"):
+        run(tri, "paged", paged)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
+    """Captured into a CUDA graph (where the graph buckets launch it), the paged kernel reads full key
+    blocks through a TMA descriptor; eager launches use pointers. Same bytes, same math: equal bits."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or newer")
+    decided = []
+    real = tri._use_tma
+    monkeypatch.setattr(tri, "_use_tma", lambda *a: decided.append(real(*a)) or decided[-1])
+    _, paged = build([700, 300], [40, 9], [650, 0], 128, 4, 128, torch.float32, "cuda", 7)
+    args = {k: (v.to(torch.bfloat16) if k in ("q", "k", "v", "kv_layer") else v) for k, v in paged.items()}
+    eager = run(tri, "paged", args)
+    assert decided == [False]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(tri, "paged", args)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(tri, "paged", args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert decided[-1] is True
+    assert torch.equal(captured, eager)
 
 
 @pytest.mark.parametrize("layer", [0, 2])

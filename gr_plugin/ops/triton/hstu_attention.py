@@ -281,9 +281,9 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # NOTE: on by default since the kernel's GPU tests (tests/ops/test_triton_attention.py, the bf16 error
 # rule, both settings) passed on the H200; GR_PLUGIN_FAST_SILU=0 turns it off.
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
-# GR_PLUGIN_ATTENTION_SCHEDULE=auto|split|stream: the grid (`_launch`); GR_PLUGIN_ATTENTION_TMA=0: plain
-# pointer loads everywhere.
-SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "auto")
+# GR_PLUGIN_ATTENTION_SCHEDULE=split|stream: the grid (`_launch`, default split); GR_PLUGIN_ATTENTION_TMA=0:
+# plain pointer loads everywhere.
+SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "split")
 TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
 
 
@@ -332,11 +332,16 @@ def _num_sms(device: torch.device) -> int:
 
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
     """Whether the paged kernel reads full key blocks through a TMA descriptor: Hopper or newer, a
-    block within one page, a contiguous table of 16-bit values, eager launches only (a traced
-    kernel keeps plain pointers: Inductor need not know descriptors)."""
+    block within one page, a contiguous table of 16-bit values, and a launch being captured into a
+    CUDA graph. NOTE: measured on the H200 (docs/BENCHMARKS.md): graphed, the TMA loads take the
+    paged kernel from 0.094 to 0.092 ms at bs 8 / head_dim 128 and from 0.201 to 0.179 ms at
+    head_dim 256; but building the descriptor costs the host ~30 us per eager launch, more than the
+    kernel gains, so eager launches keep plain pointers. A traced kernel (Inductor) keeps them too."""
     if not (kv.is_cuda and type(kv) is torch.Tensor and TMA and page_size % block_n == 0):
         return False
-    if torch.compiler.is_compiling() or not kv.is_contiguous() or kv.dtype.itemsize != 2:
+    if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
+        return False
+    if not kv.is_contiguous() or kv.dtype.itemsize != 2:
         return False
     return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
 
@@ -345,8 +350,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
             tma=None, warp_specialize=False):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
-    ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None picks
-    stream-K for the paged form and splits for the jagged one, unless ``num_splits`` is given."""
+    ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
+    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -355,13 +360,17 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     if schedule not in (None, "split", "stream"):
         raise ValueError(f"schedule must be None, 'split' or 'stream', got {schedule!r}")
+    if SCHEDULE not in ("split", "stream"):
+        raise ValueError(f"GR_PLUGIN_ATTENTION_SCHEDULE must be split or stream, got {SCHEDULE!r}")
     bsz = q_offsets.numel() - 1
     block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
     bsz_pad, m_pad = triton.next_power_of_2(max(bsz, 1)), triton.next_power_of_2(m_blocks)
     if schedule is None:
-        # NOTE: the tiles' table of `_stream_tiles` lives in registers: a bounded size.
-        stream = SCHEDULE == "stream" or (SCHEDULE == "auto" and paged and num_splits is None)
+        # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8,
+        # head_dim 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so
+        # it runs only where asked for. The tiles' table of `_stream_tiles` lives in registers: bounded.
+        stream = SCHEDULE == "stream" and num_splits is None
         schedule = "stream" if stream and bsz_pad * m_pad <= 4096 else "split"
     stream = schedule == "stream"
     if stream:
