@@ -330,6 +330,10 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def _pad(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
     """Whether the paged kernel reads full key blocks through a TMA descriptor: Hopper or newer, a
     block within one page, a contiguous table of 16-bit values, and a launch being captured into a
@@ -365,13 +369,13 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     bsz = q_offsets.numel() - 1
     block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
-    bsz_pad, m_pad = triton.next_power_of_2(max(bsz, 1)), triton.next_power_of_2(m_blocks)
     if schedule is None:
         # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8,
         # head_dim 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so
         # it runs only where asked for. The tiles' table of `_stream_tiles` lives in registers: bounded.
+        # (Only here are sizes taken apart: a traced launch, num_splits=1, may hold symbolic ones.)
         stream = SCHEDULE == "stream" and num_splits is None
-        schedule = "stream" if stream and bsz_pad * m_pad <= 4096 else "split"
+        schedule = "stream" if stream and _pad(bsz) * _pad(m_blocks) <= 4096 else "split"
     stream = schedule == "stream"
     if stream:
         num_splits = 1
@@ -408,18 +412,17 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if stream:
         part = torch.empty(programs, 2, block_m, dim, dtype=torch.float32, device=q.device)
         done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
-        grid = (programs, 1, 1)
-    else:
-        part, done = out, q_offsets  # unused
-        grid = (m_blocks * num_splits, bsz, heads)
+        grid, sizes, pads = (programs, 1, 1), (bsz, m_blocks, heads), (_pad(bsz), _pad(m_blocks))
+    else:  # the stream-K arguments are unused: no new buffers, no sizes taken apart
+        part, done = out, q_offsets
+        grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0), (1, 1)
     _hstu_fwd[grid](
-        q, k, v, out, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done,
-        bsz, m_blocks, heads,
+        q, k, v, out, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), TMA=bool(tma),
-        WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=bsz_pad if stream else 1, M_PAD=m_pad if stream else 1,
+        WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
         num_warps=warps, num_stages=stages,
     )
     return out if num_splits == 1 else out.to(q.dtype)
