@@ -131,6 +131,69 @@ def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
     assert torch.equal(captured, eager)
 
 
+_WRITES = """
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from gr_plugin.ops.triton import hstu_attention as tri
+from tests.ops.test_triton_attention import build
+
+
+class Hopper:  # what Triton's TTIR generation asks a driver (no GPU here)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(Hopper())
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+kernel, launches = tri._hstu_fwd, []
+
+
+class Spy:
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            kw = {k: a for k, a in kw.items() if k not in ("num_warps", "num_stages")}
+            launches.append({**dict(zip(kernel.arg_names, args)), **kw})
+        return launch
+
+
+tri._hstu_fwd = Spy()
+jag, p = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 64, 2, 16, torch.float32, "cpu")
+for dtype in (torch.float32, torch.bfloat16):
+    q, k, v, kv = (p[n].to(dtype) for n in ("q", "k", "v", "kv_layer"))
+    rest = [p[n] for n in ("kv_indices", "kv_indptr", "history_lengths", "q_offsets", "new_lengths")]
+    kw = dict(alpha=0.3, n_norm=16.0, max_q_len=p["max_q_len"], max_history_len=p["max_history_len"],
+              num_history_tokens=0, num_splits=1)
+    tri.paged_hstu_attention(q, k, v, kv, *rest, **kw)
+    tri.paged_hstu_attention(q, k, v, torch.stack([kv, kv]), *rest, layer=1, **kw)
+    tri.hstu_attention_jagged(*(jag[n].to(dtype) for n in ("q", "k", "v")), jag["seq_offsets"],
+                              jag["num_candidates"], alpha=0.3, n_norm=16.0, max_seq_len=jag["max_seq_len"],
+                              num_splits=1)
+writes = [sorted(d.name for d in identify_accessed_tensors(kernel, a, {}).read_writes.writes) for a in launches]
+json.dump(writes, sys.stdout)
+"""
+
+
+def test_inductor_sees_the_attention_kernel_write_only_its_output():
+    """What a traced launch (AOTInductor's compile) learns from Inductor's analysis of the kernel's
+    TTIR (generated for a Hopper target; no GPU needed): the kernel writes ``Out`` and nothing else.
+    Were the KV table among the writes, the package would copy the whole table at every layer (a
+    store address built from a helper's results did that: `_tile`'s NOTE)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _WRITES], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [["Out"]] * 6
+
+
 @pytest.mark.parametrize("layer", [0, 2])
 @pytest.mark.parametrize("page_size", [8, 64])  # 64: a key block within one page (the kernel's one-index branch)
 def test_whole_table_form_equals_the_layer_view(layer, page_size):

@@ -114,7 +114,12 @@ def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_
           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
-    (exactly one of the programs sharing a tile); returns it with the rows' positions in ``Q`` and their mask."""
+    (exactly one of the programs sharing a tile).
+
+    NOTE: the caller computes where the rows go itself. Inductor's analysis of which arguments a
+    kernel writes (a traced launch, AOTInductor) follows a store's address back through its ops, and
+    through a function call to every argument of the call: an address built from this function's
+    results would mark Q, K, V and the KV table as written, and the table would be copied."""
     q_start = tl.load(q_offsets + b).to(tl.int64)
     q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
     hist = tl.load(hist_lens + b).to(tl.int32)
@@ -155,8 +160,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_
     v_self = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
     s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha
     w_self = tl.where(cand, s_self * tl.sigmoid(s_self), 0.0)
-    acc = acc + w_self[:, None] * v_self.to(tl.float32)
-    return acc, q_rows, row_ok
+    return acc + w_self[:, None] * v_self.to(tl.float32)
 
 
 @triton.jit
@@ -205,11 +209,14 @@ def _hstu_fwd(
         q_len, nb = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
         if m0 >= q_len:
             return
-        acc, q_rows, row_ok = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens,
-                                    new_lens, b, h, m0, nb * split // SPLITS, nb * (split + 1) // SPLITS, split == 0,
-                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                    stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+        acc = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+                    nb * split // SPLITS, nb * (split + 1) // SPLITS, split == 0,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
         out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
         if SPLITS == 1:
             tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -246,11 +253,15 @@ def _hstu_fwd(
             ts = us + h * per_head + tl.sum(tl.where(mi == m, row_run, 0), axis=0) - n_units
             te = ts + n_units
             e = tl.minimum(u_hi, te)
-            acc, q_rows, row_ok = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens,
-                                        new_lens, b, h, m * BLOCK_M, u - ts, e - ts, u == ts,
-                                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                        stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+            acc = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h,
+                        m * BLOCK_M, u - ts, e - ts, u == ts,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+            q_start = tl.load(q_offsets + b).to(tl.int64)
+            rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+            q_rows = q_start + rows
             out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
             if (u == ts) & (e == te):  # the whole tile is this program's
                 tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
