@@ -79,7 +79,7 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize(("hist", "cand", "cached"), CASES + [([200, 5, 130, 0], [9, 1, 4, 3], [150, 5, 0, 0])])
+@pytest.mark.parametrize(("hist", "cand", "cached"), [*CASES, ([200, 5, 130, 0], [9, 1, 4, 3], [150, 5, 0, 0])])
 @pytest.mark.parametrize(("page_size", "programs", "tma"), [(8, 7, False), (64, 1, False), (64, 3, True),
                                                              (16, 40, False)])
 def test_interpreter_stream_k_matches_reference(hist, cand, cached, page_size, programs, tma):
