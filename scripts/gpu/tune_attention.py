@@ -2,8 +2,7 @@
 
 python3 scripts/gpu/tune_attention.py [quick|schedules]  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps,
 stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
-grids side by side (split vs stream-K, plain vs TMA loads, warp specialisation, programs per SM), then
-``quick``
+grids side by side (split vs stream-K, plain vs TMA loads, warp specialisation, programs per SM) only
 """
 
 import itertools
@@ -42,6 +41,25 @@ CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (12
 SPLITS = (1, 2, 4, 8)
 if "quick" in sys.argv[1:] or "schedules" in sys.argv[1:]:
     CONFIGS = []
+
+
+def sweep(name, args, flops, dim, launch):
+    results = []
+    for (bm, bn, w, st), splits in itertools.product(CONFIGS, SPLITS):
+        if dim == 256 and (bn == 128 or (bm == 128 and bn >= 64)):
+            continue
+        try:
+            ms = bench(lambda: launch(args, splits, (bm, bn, w, st), True))
+        except Exception as e:  # a config that does not compile is reported, not fatal
+            print(f"   BM={bm} BN={bn} warps={w} stages={st} splits={splits}: {type(e).__name__}")
+            ms = float("nan")
+        results.append((ms, bm, bn, w, st, splits))
+    results.sort(key=lambda r: (r[0] != r[0], r[0]))
+    default = bench(lambda: launch(args, None, None, None))
+    exact = bench(lambda: launch(args, None, None, False))
+    print(f"{name}: default {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s), exact SiLU {exact:.3f} ms; best:")
+    for ms, bm, bn, w, st, sp in results[:6]:
+        print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  BM={bm} BN={bn} warps={w} stages={st} splits={sp}")
 
 
 def graphed(fn):

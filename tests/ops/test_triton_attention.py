@@ -82,17 +82,21 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
 @pytest.mark.parametrize(("hist", "cand", "cached"), [*CASES, ([200, 5, 130, 0], [9, 1, 4, 3], [150, 5, 0, 0])])
 @pytest.mark.parametrize(("page_size", "programs", "tma"), [(8, 7, False), (64, 1, False), (64, 3, True),
                                                              (16, 40, False)])
-def test_interpreter_stream_k_matches_reference(hist, cand, cached, page_size, programs, tma):
-    """Stream-K (the paged form's default schedule): the tiles' key blocks cut into one range per
+@pytest.mark.parametrize("reversed_programs", [False, True])
+def test_interpreter_stream_k_matches_reference(hist, cand, cached, page_size, programs, tma, reversed_programs):
+    """Stream-K (``schedule="stream"``, an option): the tiles' key blocks cut into one range per
     program, tiles shared by programs summed by the last to finish; 1 program (every tile whole), a few
     (tiles cut in two or three), more programs than key blocks (some programs idle); ``tma``: full
-    blocks read through a tensor descriptor (the interpreter emulates it)."""
+    blocks read through a tensor descriptor (the interpreter emulates it). The interpreter runs the
+    programs in order, so a tile's last contributor is always its highest program; reversed, it is
+    its lowest, which catches a fix-up that reads parts not yet written or slots overwritten."""
     if torch.cuda.is_available():
         pytest.skip("covered by the GPU test")
     _, paged = build(hist, cand, cached, page_size, 2, 16, torch.float16, "cpu")
     want = run(ref, "paged", paged, torch.float32)
     blocks = (16, min(page_size, 64), 4, 1)
-    got = run(tri, "paged", {**paged, "schedule": "stream", "programs": programs, "tma": tma, "blocks": blocks})
+    got = run(tri, "paged", {**paged, "schedule": "stream", "programs": programs, "tma": tma, "blocks": blocks,
+                             "reversed_programs": reversed_programs})
     torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-3)
 
 
@@ -100,9 +104,15 @@ def test_schedule_is_checked(monkeypatch):
     _, paged = build([9], [2], [3], 8, 2, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="schedule must be None, 'split' or 'stream', got 'persistent'"):
         run(tri, "paged", {**paged, "schedule": "persistent"})
+    with pytest.raises(ValueError, match="num_splits applies to the split schedule, got num_splits=2"):
+        run(tri, "paged", {**paged, "schedule": "stream", "num_splits": 2})
+    monkeypatch.setattr(tri, "_STREAM_TILES", 1)
+    with pytest.raises(ValueError, match=r"1 users x 2 query blocks \(padded to powers of two\) exceed 1"):
+        run(tri, "paged", {**paged, "schedule": "stream", "blocks": (4, 8, 4, 1)})  # 8 query rows: 2 blocks
     monkeypatch.setattr(tri, "SCHEDULE", "auto")
     with pytest.raises(ValueError, match="GR_PLUGIN_ATTENTION_SCHEDULE must be split or stream, got 'auto'"):
         run(tri, "paged", paged)
+    run(tri, "paged", {**paged, "schedule": "split"})  # an explicit schedule does not read it
 
 
 @pytest.mark.gpu
@@ -120,7 +130,7 @@ def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
     assert decided == [False]
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        run(tri, "paged", args)  # compile outside the capture
+        run(tri, "paged", args)  # the pointer kernel compiles here; the TMA one at capture (host-side work)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             captured = run(tri, "paged", args)
@@ -235,7 +245,7 @@ def test_whole_table_form_equals_the_layer_view(layer, page_size):
 def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size, dtype, seed, fast_silu, schedule,
                                                            monkeypatch):
     if which == "jagged" and schedule == "stream":
-        pytest.skip("the jagged form runs split (many tiles)")
+        pytest.skip("the schedule setting applies to the paged form (the jagged one has many tiles)")
     monkeypatch.setattr(tri, "FAST_SILU", fast_silu)  # tanh.approx SiLU (bf16 only)
     monkeypatch.setattr(tri, "SCHEDULE", schedule)
     g = torch.Generator().manual_seed(seed)
@@ -254,7 +264,8 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     err_kernel = (kernel.float() - exact).abs().max().item()
     err_torch = (torch_low - exact).abs().max().item()
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
-    if which == "paged":  # stream-K adds a shared tile's parts in program order: the same bits every run
+    if schedule == "stream" and which == "paged":  # a shared tile's parts added in program order: same bits
+        # (the split grid's fp32 atomics are in arrival order: not checked)
         again = run(tri, which, {k: (v.to(dtype) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()})
         assert torch.equal(again, kernel)
 

@@ -197,6 +197,7 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
+    REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
@@ -228,8 +229,11 @@ def _hstu_fwd(
         # SMs still fills the GPU and no program waits on a longer one. A tile cut between programs
         # is finished by the last of them to arrive (a per-tile counter of the units done): it adds
         # every part in program order, so the result does not depend on the order of arrival.
-        pid = tl.program_id(0)
         npg = tl.num_programs(0)
+        # NOTE: REVERSED (tests): programs take the ranges in reverse, so that under the interpreter,
+        # which runs programs one after another, a tile's fix-up is done by its first contributor
+        # rather than its last; on a GPU the order of arrival is arbitrary either way.
+        pid = npg - 1 - tl.program_id(0) if REVERSED else tl.program_id(0)
         units, run, user_start, total = _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
                                                       BLOCK_M, BLOCK_N, BSZ_PAD, M_PAD)
         bi = tl.arange(0, BSZ_PAD)
@@ -341,6 +345,9 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+_STREAM_TILES = 4096  # users x query blocks (powers of two) that stream-K's table may hold
+
+
 def _pad(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
@@ -356,14 +363,14 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
         return False
     if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return False
-    if not kv.is_contiguous() or kv.dtype.itemsize != 2:
-        return False
+    if not kv.is_contiguous() or kv.dtype.itemsize != 2 or kv.numel() == 0 or kv.data_ptr() % 16:
+        return False  # (a descriptor needs a 16-byte aligned base)
     return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
 
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False):
+            tma=None, warp_specialize=False, reversed_programs=False):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`."""
@@ -375,8 +382,10 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     if schedule not in (None, "split", "stream"):
         raise ValueError(f"schedule must be None, 'split' or 'stream', got {schedule!r}")
-    if SCHEDULE not in ("split", "stream"):
+    if schedule is None and SCHEDULE not in ("split", "stream"):
         raise ValueError(f"GR_PLUGIN_ATTENTION_SCHEDULE must be split or stream, got {SCHEDULE!r}")
+    if schedule == "stream" and num_splits is not None:
+        raise ValueError(f"num_splits applies to the split schedule, got num_splits={num_splits} with 'stream'")
     bsz = q_offsets.numel() - 1
     block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
@@ -385,9 +394,12 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         # head_dim 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so
         # it runs only where asked for. The tiles' table of `_stream_tiles` lives in registers: bounded.
         # (Only here are sizes taken apart: a traced launch, num_splits=1, may hold symbolic ones.)
-        stream = SCHEDULE == "stream" and num_splits is None
-        schedule = "stream" if stream and _pad(bsz) * _pad(m_blocks) <= 4096 else "split"
+        stream = SCHEDULE == "stream" and paged and num_splits is None
+        schedule = "stream" if stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
     stream = schedule == "stream"
+    if stream and _pad(bsz) * _pad(m_blocks) > _STREAM_TILES:
+        raise ValueError(f"stream-K holds the tiles' table in registers: {bsz} users x {m_blocks} query blocks "
+                         f"(padded to powers of two) exceed {_STREAM_TILES}; use schedule='split'")
     if stream:
         num_splits = 1
         programs = programs or _num_sms(q.device)
@@ -434,6 +446,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
+        REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
     )
     return out if num_splits == 1 else out.to(q.dtype)
