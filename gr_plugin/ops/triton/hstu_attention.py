@@ -8,6 +8,10 @@ rows of that user's query segment. History keys are read block by block, from th
 masked (history causal, candidates see all history) and accumulated in fp32; a candidate adds its
 own key/value (the diagonal). Key blocks past the last position any query in the block may see are
 skipped. Works under ``TRITON_INTERPRET=1`` on CPU tensors (fp32/fp16), which the CPU tests use.
+
+Options of the paged form (`_launch`): full key blocks read through a TMA descriptor when the launch
+is captured into a CUDA graph on Hopper or newer (`_use_tma`), and a stream-K grid
+(``schedule="stream"``; measured slower than the default split grid on the H200, kept tested).
 """
 
 from __future__ import annotations
