@@ -98,16 +98,22 @@ def _accumulate(acc, p, v, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _block_count(q_len, hist, new, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks that the query rows ``m0..m0+BLOCK_M`` of a user see: the history up to the last
+    key any of those rows sees (its own position for a history row, the whole history for a
+    candidate). Elementwise: one tile (scalars) or every tile at once (`_stream_tiles`)."""
+    last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    kv_end = tl.minimum(hist, tl.where(last < new, hist - new + last, hist - 1) + 1)
+    return tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
+
+
+@triton.jit
 def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(q_len, key blocks)`` of the query rows ``m0..m0+BLOCK_M`` of user ``b``: the history keys up
-    to the last one any of those rows sees (its own position for a history row, the whole history
-    for a candidate). ``_stream_tiles`` computes the same for every tile at once."""
+    """``(q_len, key blocks)`` of the query rows ``m0..m0+BLOCK_M`` of user ``b``."""
     q_len = (tl.load(q_offsets + b + 1) - tl.load(q_offsets + b)).to(tl.int32)
     hist = tl.load(hist_lens + b).to(tl.int32)
     new = tl.load(new_lens + b).to(tl.int32)
-    last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    kv_end = tl.minimum(hist, tl.where(last < new, hist - new + last, hist - 1) + 1)
-    return q_len, tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
+    return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -183,9 +189,7 @@ def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
     new = tl.load(new_lens + bi, mask=b_ok, other=0).to(tl.int32)[:, None]
     m0 = (mi * BLOCK_M)[None, :]
     live = b_ok[:, None] & (mi < m_blocks)[None, :] & (m0 < q_len)
-    last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    kv_end = tl.minimum(hist, tl.where(last < new, hist - new + last, hist - 1) + 1)
-    units = tl.where(live, tl.maximum(tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N), 1), 0)
+    units = tl.where(live, tl.maximum(_block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N), 1), 0)
     per_user = tl.sum(units, axis=1) * heads
     user_end = tl.cumsum(per_user, axis=0)
     return units, tl.cumsum(units, axis=1), user_end - per_user, tl.sum(per_user, axis=0)
