@@ -1,8 +1,9 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py [quick|schedules]  -> a table of ms per (case, BLOCK_M, BLOCK_N, warps,
-stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
-grids side by side (split vs stream-K, plain vs TMA loads, warp specialisation, programs per SM) only
+python3 scripts/gpu/tune_attention.py [quick|schedules|splits]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
+warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
+grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs per
+SM) only; ``splits``: the split grid's variants only, with more small-batch cases
 """
 
 import itertools
@@ -39,7 +40,7 @@ def bench(fn):
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
-if "quick" in sys.argv[1:] or "schedules" in sys.argv[1:]:
+if {"quick", "schedules", "splits"} & set(sys.argv[1:]):
     CONFIGS = []
 
 
@@ -79,13 +80,21 @@ def eager_us(fn, n=200):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def schedules(name, args, flops, max_q, max_kv, sms):
+def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
     """The paged kernel's grids side by side in this one run: graphed ms (min over 3 interleaved
     rounds), TFLOP/s, eager wall us per call."""
     bs, heads = args[6].numel() - 1, args[0].shape[1]
+    bm, bn = tri._blocks(args[0].shape[-1], args[0].dtype, True, args[0].device)[:2]
+    tiles, kv_blocks = bs * heads * -(-max_q // bm), -(-max_kv // bn)
+    pow2 = max(1, min(sms // tiles, kv_blocks // 4, 32))
+    pow2 = 1 << (pow2.bit_length() - 1)  # the split rule before commit "any split count"
     variants = {
         "split": dict(schedule="split", tma=False),
         "split + tma": dict(schedule="split", tma=True),
+        **{f"split + tma, {n} splits{' (old rule)' if n == pow2 else ''}": dict(schedule="split", tma=True,
+                                                                                 num_splits=n)
+           for n in sorted({pow2, tri._splits(tiles, max_kv, bn, args[0].device)} - {1})},
+        "split + tma + ws": dict(schedule="split", tma=True, warp_specialize=True),
         "stream": dict(schedule="stream", tma=False),
         "stream + tma": dict(schedule="stream", tma=True),
         "stream + tma + ws": dict(schedule="stream", tma=True, warp_specialize=True),
@@ -96,6 +105,8 @@ def schedules(name, args, flops, max_q, max_kv, sms):
     ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, schedule="split", tma=False)
     fns, best = {}, {}
     for label, kw in variants.items():
+        if only_split and label.startswith("stream"):
+            continue
         kw = dict(kw)
         mq = kw.pop("max_q", max_q)
         if (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3] or (args[0].shape[-1] > 128 and "blocks" in kw):
@@ -117,17 +128,24 @@ def schedules(name, args, flops, max_q, max_kv, sms):
               f"(max diff vs split {diff:.2e})")
 
 
-if "schedules" in sys.argv[1:]:
+if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:
+    only_split = "splits" in sys.argv[1:]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for name, (bs, hist, new, cands, heads, dim, page) in {
+    cases = {
         "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
         "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
         "paged bs4 h4096 d128 p128": (4, 4096, 128, 256, 4, 128, 128),
         "paged bs8 h1024 d128 p128": (8, 1024, 128, 256, 4, 128, 128),
         "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
-    }.items():
+    }
+    if only_split:  # the small batches, where the split count sets how many SMs work
+        cases.update({"paged bs2 h4096 d128 p128": (2, 4096, 128, 256, 4, 128, 128),
+                      "paged bs1 h1024 d128 p128": (1, 1024, 128, 256, 4, 128, 128),
+                      "paged bs1 h4096 d256 p32": (1, 4096, 128, 256, 4, 256, 32),
+                      "paged bs2 h4096 d256 p32": (2, 4096, 128, 256, 4, 256, 32)})
+    for name, (bs, hist, new, cands, heads, dim, page) in cases.items():
         args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
-        schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms)
+        schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms, only_split)
     sys.exit(0)
 
 for name, (bs, hist, new, cands, heads, dim, page) in {

@@ -115,6 +115,26 @@ def test_schedule_is_checked(monkeypatch):
     run(tri, "paged", {**paged, "schedule": "split"})  # an explicit schedule does not read it
 
 
+def test_split_count_fills_the_sms_with_any_count(monkeypatch):
+    """The split grid cuts the keys into up to one program per SM (at least `MIN_SPLIT_BLOCKS` key
+    blocks each); the count is a runtime argument, so it need not be a power of two."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert tri._splits(12, 4096, 128, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
+    assert tri._splits(24, 4096, 128, cpu) == 5
+    assert tri._splits(96, 4096, 128, cpu) == 1  # bs 8: one wave already
+    assert tri._splits(200, 4096, 128, cpu) == 1  # more programs than SMs
+    assert tri._splits(12, 512, 128, cpu) == 4 // tri.MIN_SPLIT_BLOCKS  # short history: few blocks each
+    assert tri._splits(1, 1 << 20, 128, cpu) == 32  # capped
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_bad_split_count_is_refused(bad):
+    _, paged = build([9], [2], [3], 8, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=f"num_splits must be a positive int, got {bad!r}"):
+        run(tri, "paged", {**paged, "num_splits": bad})
+
+
 @pytest.mark.gpu
 def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
     """Captured into a CUDA graph (where the graph buckets launch it), the paged kernel reads full key

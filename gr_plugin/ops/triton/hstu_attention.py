@@ -198,20 +198,21 @@ def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
 @triton.jit
 def _hstu_fwd(
     Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
-    bsz, m_blocks, heads,
+    bsz, m_blocks, heads, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ATOMIC: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
     REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
-        # one (query block, key split) per program, grid (m_blocks * SPLITS, bsz, heads)
-        pid_m = tl.program_id(0) // SPLITS
-        split = tl.program_id(0) % SPLITS
+        # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads); ATOMIC:
+        # splits > 1, the parts are added into an fp32 output
+        pid_m = tl.program_id(0) // splits
+        split = tl.program_id(0) % splits
         b = tl.program_id(1)
         h = tl.program_id(2)
         m0 = pid_m * BLOCK_M
@@ -219,7 +220,7 @@ def _hstu_fwd(
         if m0 >= q_len:
             return
         acc = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
-                    nb * split // SPLITS, nb * (split + 1) // SPLITS, split == 0,
+                    nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
                     PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
@@ -227,7 +228,7 @@ def _hstu_fwd(
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
         out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
-        if SPLITS == 1:
+        if not ATOMIC:
             tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
             tl.atomic_add(out_ptrs, acc * inv_norm, mask=row_ok[:, None])
@@ -353,11 +354,27 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+MIN_SPLIT_BLOCKS = 2  # key blocks per split program, at least
 _STREAM_TILES = 4096  # users x query blocks (powers of two) that stream-K's table may hold
 
 
 def _pad(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
+
+
+def _splits(n_programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+    """Key splits per query block for the split grid: with few query blocks (small batches, short
+    queries) most SMs would sit idle while each program walks the whole history, so the keys are
+    cut into up to one program per SM, each with at least `MIN_SPLIT_BLOCKS` key blocks.
+
+    NOTE: measured on the H200 (docs/BENCHMARKS.md): more than one wave is slower (a half-full
+    second wave; the fp32 partial sums' atomics), e.g. bs 8, 4096 history, head_dim 128: 96
+    programs unsplit 0.103 ms, split 2 0.125 ms. The count is a runtime argument of the kernel, so
+    any count (not only powers of two) fills the SMs without a new specialisation: bs 1 at head_dim
+    128 takes 11 splits of 12 tiles (132 programs, at most 3 of the 32 key blocks each) where a power
+    of two gave 8 (96 programs, 4 blocks each)."""
+    kv_blocks = triton.cdiv(max(max_kv_len, 1), block_n)
+    return max(1, min(_num_sms(device) // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
 
 
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
@@ -412,14 +429,10 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         num_splits = 1
         programs = programs or _num_sms(q.device)
     elif num_splits is None:
-        # NOTE: few query blocks (small batches, short queries) would leave most SMs idle while each
-        # program walks the whole history: split the keys, up to about one program per SM. More
-        # than one wave measured slower on the H200 (a half-full second wave; the fp32 partial sums'
-        # atomics), e.g. bs 8, 4096 history, head_dim 128: 96 programs unsplit 0.103 ms, split 2 0.125 ms.
-        n_programs = m_blocks * bsz * heads
-        kv_blocks = triton.cdiv(max(max_kv_len if max_kv_len is not None else max_q_len, 1), block_n)
-        want = max(1, min(_num_sms(q.device) // n_programs, kv_blocks // 4, 32))
-        num_splits = 1 << (want.bit_length() - 1)  # a power of two: few kernel specialisations
+        num_splits = _splits(m_blocks * bsz * heads, max_kv_len if max_kv_len is not None else max_q_len,
+                             block_n, q.device)
+    if not (isinstance(num_splits, int) and num_splits >= 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
     if nq == 0 or bsz == 0:
         return out.to(q.dtype)
@@ -443,16 +456,16 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if stream:
         part = torch.empty(programs, 2, block_m, dim, dtype=torch.float32, device=q.device)
         done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
-        grid, sizes, pads = (programs, 1, 1), (bsz, m_blocks, heads), (_pad(bsz), _pad(m_blocks))
+        grid, sizes, pads = (programs, 1, 1), (bsz, m_blocks, heads, 1), (_pad(bsz), _pad(m_blocks))
     else:  # the stream-K arguments are unused: no new buffers, no sizes taken apart
         part, done = out, q_offsets
-        grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0), (1, 1)
+        grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
     _hstu_fwd[grid](
         q, k, v, out, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, SPLITS=num_splits, FAST=bool(fast), TMA=bool(tma),
+        IEEE=q.dtype == torch.float32, ATOMIC=num_splits > 1, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
         REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
