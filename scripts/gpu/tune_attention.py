@@ -94,7 +94,9 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
         **{f"split + tma, {n} splits{' (old rule)' if n == pow2 else ''}": dict(schedule="split", tma=True,
                                                                                  num_splits=n)
            for n in sorted({pow2, tri._splits(tiles, max_kv, bn, args[0].device)} - {1})},
-        "split + tma + ws": dict(schedule="split", tma=True, warp_specialize=True),
+        "split + tma, atomic sums": dict(schedule="split", tma=True, split_sum="atomic"),
+        f"split + tma, atomic sums, {pow2} splits (old rule)": dict(schedule="split", tma=True, split_sum="atomic",
+                                                                   num_splits=pow2),
         "stream": dict(schedule="stream", tma=False),
         "stream + tma": dict(schedule="stream", tma=True),
         "stream + tma + ws": dict(schedule="stream", tma=True, warp_specialize=True),

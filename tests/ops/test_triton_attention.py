@@ -115,6 +115,29 @@ def test_schedule_is_checked(monkeypatch):
     run(tri, "paged", {**paged, "schedule": "split"})  # an explicit schedule does not read it
 
 
+@pytest.mark.parametrize("which", ["jagged", "paged"])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_interpreter_split_sums(which, splits):
+    """The split grid's two ways of adding its key splits: each split's fp32 part in its own slice,
+    summed in split order by `_sum_parts` (default), and fp32 atomic adds; both equal the reference.
+    Query rows past the last user's (a graph bucket's padding, no program's) come out 0."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU test")
+    jag, paged = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 8, 2, 16, torch.float16, "cpu")
+    args = dict(jag if which == "jagged" else paged)
+    want = run(ref, which, args, torch.float32)
+    n = want.shape[0]
+    for name in ("q", "k", "v"):  # 3 padding rows at the end of the query/token rows
+        args[name] = torch.cat([args[name], torch.full((3, *args[name].shape[1:]), 7.0, dtype=args[name].dtype)])
+    for split_sum in ("parts", "atomic"):
+        got = run(tri, which, {**args, "num_splits": splits, "split_sum": split_sum})
+        assert got.shape[0] == n + 3 and got.dtype == torch.float16
+        torch.testing.assert_close(got[:n].float(), want, rtol=0, atol=3e-3)
+        assert torch.equal(got[n:], torch.zeros_like(got[n:])), split_sum
+    with pytest.raises(ValueError, match="split_sum must be 'parts' or 'atomic', got 'tree'"):
+        run(tri, which, {**args, "num_splits": splits, "split_sum": "tree"})
+
+
 def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     """The split grid cuts the keys into up to one program per SM (at least `MIN_SPLIT_BLOCKS` key
     blocks each); the count is a runtime argument, so it need not be a power of two."""
@@ -284,10 +307,10 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     err_kernel = (kernel.float() - exact).abs().max().item()
     err_torch = (torch_low - exact).abs().max().item()
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
-    if schedule == "stream" and which == "paged":  # a shared tile's parts added in program order: same bits
-        # (the split grid's fp32 atomics are in arrival order: not checked)
-        again = run(tri, which, {k: (v.to(dtype) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()})
-        assert torch.equal(again, kernel)
+    # stream-K adds a shared tile's parts in program order, the split grid its key splits' parts in
+    # split order (`_sum_parts`): the same bits every run
+    again = run(tri, which, {k: (v.to(dtype) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()})
+    assert torch.equal(again, kernel)
 
 
 @pytest.mark.gpu
@@ -309,6 +332,11 @@ def test_gpu_stream_k_and_tma_equal_the_split_kernel(tma, programs):
         got = run(tri, "paged", {**args, "schedule": "stream", "programs": programs, "tma": tma}).float()
         assert not got.isnan().any()
         assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6
+        if programs is None:  # the split grid's key splits (bs 1 splits them), summed both ways
+            for split_sum in ("parts", "atomic"):
+                got = run(tri, "paged", {**args, "schedule": "split", "tma": tma, "split_sum": split_sum}).float()
+                assert not got.isnan().any()
+                assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6, split_sum
 
 
 def test_training_takes_the_differentiable_path(monkeypatch):

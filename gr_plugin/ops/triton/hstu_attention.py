@@ -199,7 +199,7 @@ def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
 def _hstu_fwd(
     Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
     bsz, m_blocks, heads, splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -209,8 +209,9 @@ def _hstu_fwd(
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
-        # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads); ATOMIC:
-        # splits > 1, the parts are added into an fp32 output
+        # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads). With
+        # splits > 1 each split's part goes to its own fp32 slice of Out (split stride ``stride_os``)
+        # for `_sum_parts`, or, ATOMIC, is added into one fp32 output.
         pid_m = tl.program_id(0) // splits
         split = tl.program_id(0) % splits
         b = tl.program_id(1)
@@ -227,7 +228,7 @@ def _hstu_fwd(
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
-        out_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+        out_ptrs = Out + split.to(tl.int64) * stride_os + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
         if not ATOMIC:
             tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -301,6 +302,20 @@ def _hstu_fwd(
             u = e
 
 
+@triton.jit
+def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.constexpr):
+    """``Out = sum over splits of Part[split]`` in split order, fp32, rounded once; rows past the
+    last user's (a graph bucket's padding, which no program writes) are 0."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < tl.load(q_offsets + bsz).to(tl.int64) * row_elems
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = Part + offs
+    for _ in range(splits):
+        acc += tl.load(ptrs, mask=live, other=0.0)
+        ptrs += n_part
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=offs < n_part)
+
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # NOTE: on by default since the kernel's GPU tests (tests/ops/test_triton_attention.py, the bf16 error
 # rule, both settings) passed on the H200; GR_PLUGIN_FAST_SILU=0 turns it off.
@@ -354,6 +369,7 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+_SUM_BLOCK = 1024
 MIN_SPLIT_BLOCKS = 2  # key blocks per split program, at least
 _STREAM_TILES = 4096  # users x query blocks (powers of two) that stream-K's table may hold
 
@@ -395,10 +411,13 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False):
+            tma=None, warp_specialize=False, reversed_programs=False, split_sum="parts"):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
-    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`."""
+    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``split_sum``: how the split
+    grid adds its key splits, ``"parts"`` (each split's fp32 part in its own slice, then one pass of
+    `_sum_parts` in split order: deterministic) or ``"atomic"`` (fp32 atomic adds into a zeroed
+    output, then a cast)."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -433,9 +452,19 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
                              block_n, q.device)
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if num_splits > 1 else torch.empty_like(q)
+    if split_sum not in ("parts", "atomic"):
+        raise ValueError(f"split_sum must be 'parts' or 'atomic', got {split_sum!r}")
     if nq == 0 or bsz == 0:
-        return out.to(q.dtype)
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    atomic = num_splits > 1 and split_sum == "atomic"
+    if num_splits == 1:
+        out = target = torch.empty_like(q)
+    elif atomic:
+        out = target = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:  # one fp32 slice per split, summed by `_sum_parts`: no zero fill, no atomics, a fixed order
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        target = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
+    split_stride = target.stride(0) if target.dim() == 4 else 0
     if paged:
         page_size = kv.shape[-3]
         if kv.stride(-1) != 1:
@@ -458,19 +487,26 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
         grid, sizes, pads = (programs, 1, 1), (bsz, m_blocks, heads, 1), (_pad(bsz), _pad(m_blocks))
     else:  # the stream-K arguments are unused: no new buffers, no sizes taken apart
-        part, done = out, q_offsets
+        part, done = target, q_offsets
         grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
     _hstu_fwd[grid](
-        q, k, v, out, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
+        target.stride(-3), target.stride(-2),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, ATOMIC=num_splits > 1, FAST=bool(fast), TMA=bool(tma),
+        IEEE=q.dtype == torch.float32, ATOMIC=atomic, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
         REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
     )
-    return out if num_splits == 1 else out.to(q.dtype)
+    if atomic:
+        return out.to(q.dtype)
+    if num_splits > 1:
+        n = out.numel()
+        _sum_parts[(triton.cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
+                                                  BLOCK=_SUM_BLOCK)
+    return out
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
