@@ -84,11 +84,12 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
     """The paged kernel's grids side by side in this one run: graphed ms (min over 3 interleaved
     rounds), TFLOP/s, eager wall us per call."""
     bs, heads = args[6].numel() - 1, args[0].shape[1]
-    bm, bn = tri._blocks(args[0].shape[-1], args[0].dtype, True, args[0].device)[:2]
+    blocks = tri._blocks(args[0].shape[-1], args[0].dtype, True, args[0].device)
+    bm, bn = blocks[:2]
     tiles, kv_blocks = bs * heads * -(-max_q // bm), -(-max_kv // bn)
     pow2 = max(1, min(sms // tiles, kv_blocks // 4, 32))
     pow2 = 1 << (pow2.bit_length() - 1)  # the split rule before commit "any split count"
-    rule = tri._splits(tiles, max_kv, bn, args[0].device)
+    rule = tri._splits(tiles, max_kv, blocks, args[0].shape[-1], 2, args[0].device)
     variants = {
         "split": dict(schedule="split", tma=False),
         "split + tma": dict(schedule="split", tma=True),
@@ -145,7 +146,8 @@ if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:
         cases.update({"paged bs2 h4096 d128 p128": (2, 4096, 128, 256, 4, 128, 128),
                       "paged bs1 h1024 d128 p128": (1, 1024, 128, 256, 4, 128, 128),
                       "paged bs1 h4096 d256 p32": (1, 4096, 128, 256, 4, 256, 32),
-                      "paged bs2 h4096 d256 p32": (2, 4096, 128, 256, 4, 256, 32)})
+                      "paged bs2 h4096 d256 p32": (2, 4096, 128, 256, 4, 256, 32),
+                      "paged bs4 h4096 d256 p32": (4, 4096, 128, 256, 4, 256, 32)})
     for name, (bs, hist, new, cands, heads, dim, page) in cases.items():
         args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
         schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms, only_split)

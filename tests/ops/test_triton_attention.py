@@ -139,16 +139,23 @@ def test_interpreter_split_sums(which, splits):
 
 
 def test_split_count_fills_the_sms_with_any_count(monkeypatch):
-    """The split grid cuts the keys into up to one program per SM (at least `MIN_SPLIT_BLOCKS` key
-    blocks each); the count is a runtime argument, so it need not be a power of two."""
+    """The split grid cuts the keys into up to one wave of programs (as many per SM as fit, at least
+    `MIN_SPLIT_BLOCKS` key blocks each); the count is a runtime argument, so it need not be a power
+    of two. Sizes of an H200: 132 SMs, 227 KB of shared memory a block may use."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
-    assert tri._splits(12, 4096, 128, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
-    assert tri._splits(24, 4096, 128, cpu) == 5
-    assert tri._splits(96, 4096, 128, cpu) == 1  # bs 8: one wave already
-    assert tri._splits(200, 4096, 128, cpu) == 1  # more programs than SMs
-    assert tri._splits(12, 512, 128, cpu) == 4 // tri.MIN_SPLIT_BLOCKS  # short history: few blocks each
-    assert tri._splits(1, 1 << 20, 128, cpu) == 32  # capped
+    big, small = (128, 128, 8, 2), (64, 32, 4, 2)  # head_dim 128 / 256 tiles of the paged form (bf16)
+    assert tri._resident(big, 128, 2, cpu) == 1 and tri._resident(small, 256, 2, cpu) == 2
+    assert tri._splits(12, 4096, big, 128, 2, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
+    assert tri._splits(24, 4096, big, 128, 2, cpu) == 5
+    assert tri._splits(96, 4096, big, 128, 2, cpu) == 1  # bs 8: one wave already
+    assert tri._splits(200, 4096, big, 128, 2, cpu) == 1  # more programs than SMs
+    assert tri._splits(48, 4096, small, 256, 2, cpu) == 5  # two programs per SM: 240 of 264
+    assert tri._splits(12, 512, big, 128, 2, cpu) == 4 // tri.MIN_SPLIT_BLOCKS  # short history: few blocks each
+    assert tri._splits(1, 1 << 20, big, 128, 2, cpu) == 32  # capped
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 0)  # not known: one program per SM
+    assert tri._resident(small, 256, 2, cpu) == 1 and tri._splits(48, 4096, small, 256, 2, cpu) == 2
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0])

@@ -378,19 +378,35 @@ def _pad(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
-def _splits(n_programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
+def _resident(blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device) -> int:
+    """Programs of this config one SM holds at once, estimated from its tiles: shared memory for the
+    query tile and ``stages`` key/value tiles, and registers at up to 128 a thread; 1 where the
+    device does not say its shared memory (off CUDA)."""
+    block_m, block_n, warps, stages = blocks
+    smem = _shared_memory(device)
+    if smem == 0:
+        return 1
+    tiles = (block_m + 2 * stages * block_n) * dim * itemsize
+    return max(1, min(smem // tiles, 65536 // (warps * 32 * 128)))
+
+
+def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int, itemsize: int,
+            device: torch.device) -> int:
     """Key splits per query block for the split grid: with few query blocks (small batches, short
     queries) most SMs would sit idle while each program walks the whole history, so the keys are
-    cut into up to one program per SM, each with at least `MIN_SPLIT_BLOCKS` key blocks.
+    cut into up to one wave of programs (`_resident` per SM), each with at least `MIN_SPLIT_BLOCKS`
+    key blocks. Each split writes its own fp32 part, summed by `_sum_parts`.
 
-    NOTE: measured on the H200 (docs/BENCHMARKS.md): more than one wave is slower (a half-full
-    second wave; the fp32 partial sums' atomics), e.g. bs 8, 4096 history, head_dim 128: 96
-    programs unsplit 0.103 ms, split 2 0.125 ms. The count is a runtime argument of the kernel, so
-    any count (not only powers of two) fills the SMs without a new specialisation: bs 1 at head_dim
-    128 takes 11 splits of 12 tiles (132 programs, at most 3 of the 32 key blocks each) where a power
-    of two gave 8 (96 programs, 4 blocks each)."""
-    kv_blocks = triton.cdiv(max(max_kv_len, 1), block_n)
-    return max(1, min(_num_sms(device) // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
+    NOTE: measured on the H200 (`scripts/gpu/tune_attention.py splits`, docs/BENCHMARKS.md):
+    - past one wave is slower (a part-full second wave), e.g. bs 8, 4096 history, head_dim 128
+      (128x128 tiles, one per SM): unsplit 0.090 ms, split 2 0.102 ms; head_dim 256's 64x32 tiles
+      fit two per SM, and bs 2 there runs 0.104 ms at 2 splits (96 programs), 0.074 ms at 4 (192);
+    - the count is a runtime argument of the kernel, so any count fills the SMs without a new
+      specialisation: bs 1, head_dim 128 takes 11 splits of 12 tiles (132 programs, at most 3 of
+      the 32 key blocks each): 0.019 ms, vs 0.021 ms at 8 (a power of two, 96 programs)."""
+    kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
+    wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
+    return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
 
 
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
@@ -449,7 +465,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         programs = programs or _num_sms(q.device)
     elif num_splits is None:
         num_splits = _splits(m_blocks * bsz * heads, max_kv_len if max_kv_len is not None else max_q_len,
-                             block_n, q.device)
+                             (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if split_sum not in ("parts", "atomic"):
