@@ -90,15 +90,13 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
     pow2 = max(1, min(sms // tiles, kv_blocks // 4, 32))
     pow2 = 1 << (pow2.bit_length() - 1)  # the split rule before commit "any split count"
     rule = tri._splits(tiles, max_kv, blocks, args[0].shape[-1], 2, args[0].device)
+    wave = sms * tri._resident(blocks, args[0].shape[-1], 2, args[0].device)
     variants = {
         "split": dict(schedule="split", tma=False),
         "split + tma": dict(schedule="split", tma=True),
-        **{f"split + tma, {n} splits{' (old rule)' if n == pow2 else ''}{' (> 1 wave)' if n * tiles > sms else ''}":
+        **{f"split + tma, {n} splits{' (old rule)' if n == pow2 else ''}{' (> 1 wave)' if n * tiles > wave else ''}":
            dict(schedule="split", tma=True, num_splits=n)
            for n in sorted({pow2, rule, rule + 1, 2 * rule} - {1})},
-        "split + tma, atomic sums": dict(schedule="split", tma=True, split_sum="atomic"),
-        f"split + tma, atomic sums, {pow2} splits (old rule)": dict(schedule="split", tma=True, split_sum="atomic",
-                                                                   num_splits=pow2),
         "stream": dict(schedule="stream", tma=False),
         "stream + tma": dict(schedule="stream", tma=True),
         "stream + tma + ws": dict(schedule="stream", tma=True, warp_specialize=True),

@@ -117,10 +117,10 @@ def test_schedule_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("which", ["jagged", "paged"])
 @pytest.mark.parametrize("splits", [2, 5])
-def test_interpreter_split_sums(which, splits):
-    """The split grid's two ways of adding its key splits: each split's fp32 part in its own slice,
-    summed in split order by `_sum_parts` (default), and fp32 atomic adds; both equal the reference.
-    Query rows past the last user's (a graph bucket's padding, no program's) come out 0."""
+def test_interpreter_split_parts(which, splits):
+    """The split grid writes each key split's fp32 part to its own slice and `_sum_parts` adds them
+    in split order: equal to the reference. Query rows past the last user's (a graph bucket's
+    padding, no program's; their slices are never written) come out 0."""
     if torch.cuda.is_available():
         pytest.skip("covered by the GPU test")
     jag, paged = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 8, 2, 16, torch.float16, "cpu")
@@ -129,13 +129,10 @@ def test_interpreter_split_sums(which, splits):
     n = want.shape[0]
     for name in ("q", "k", "v"):  # 3 padding rows at the end of the query/token rows
         args[name] = torch.cat([args[name], torch.full((3, *args[name].shape[1:]), 7.0, dtype=args[name].dtype)])
-    for split_sum in ("parts", "atomic"):
-        got = run(tri, which, {**args, "num_splits": splits, "split_sum": split_sum})
-        assert got.shape[0] == n + 3 and got.dtype == torch.float16
-        torch.testing.assert_close(got[:n].float(), want, rtol=0, atol=3e-3)
-        assert torch.equal(got[n:], torch.zeros_like(got[n:])), split_sum
-    with pytest.raises(ValueError, match="split_sum must be 'parts' or 'atomic', got 'tree'"):
-        run(tri, which, {**args, "num_splits": splits, "split_sum": "tree"})
+    got = run(tri, which, {**args, "num_splits": splits})
+    assert got.shape[0] == n + 3 and got.dtype == torch.float16
+    torch.testing.assert_close(got[:n].float(), want, rtol=0, atol=3e-3)
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))
 
 
 def test_split_count_fills_the_sms_with_any_count(monkeypatch):
@@ -339,11 +336,10 @@ def test_gpu_stream_k_and_tma_equal_the_split_kernel(tma, programs):
         got = run(tri, "paged", {**args, "schedule": "stream", "programs": programs, "tma": tma}).float()
         assert not got.isnan().any()
         assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6
-        if programs is None:  # the split grid's key splits (bs 1 splits them), summed both ways
-            for split_sum in ("parts", "atomic"):
-                got = run(tri, "paged", {**args, "schedule": "split", "tma": tma, "split_sum": split_sum}).float()
-                assert not got.isnan().any()
-                assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6, split_sum
+        if programs is None:  # the split grid's key splits (bs 1 splits them) and their sum
+            got = run(tri, "paged", {**args, "schedule": "split", "tma": tma}).float()
+            assert not got.isnan().any()
+            assert (got - exact).abs().max() <= 1.5 * (split - exact).abs().max() + 1e-6
 
 
 def test_training_takes_the_differentiable_path(monkeypatch):

@@ -203,15 +203,15 @@ def _hstu_fwd(
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ATOMIC: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
     REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
         # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads). With
-        # splits > 1 each split's part goes to its own fp32 slice of Out (split stride ``stride_os``)
-        # for `_sum_parts`, or, ATOMIC, is added into one fp32 output.
+        # splits > 1 each split's part goes to its own fp32 slice of Out (split stride ``stride_os``),
+        # summed by `_sum_parts`.
         pid_m = tl.program_id(0) // splits
         split = tl.program_id(0) % splits
         b = tl.program_id(1)
@@ -229,10 +229,7 @@ def _hstu_fwd(
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
         out_ptrs = Out + split.to(tl.int64) * stride_os + q_rows[:, None] * stride_ot + h * stride_oh + d[None, :]
-        if not ATOMIC:
-            tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            tl.atomic_add(out_ptrs, acc * inv_norm, mask=row_ok[:, None])
+        tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
         # NOTE: stream-K. The tiles' key blocks, laid end to end, are cut into one equal range per
         # program (a persistent grid of about one program per SM), so a batch with fewer tiles than
@@ -427,13 +424,10 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, split_sum="parts"):
+            tma=None, warp_specialize=False, reversed_programs=False):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
-    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``split_sum``: how the split
-    grid adds its key splits, ``"parts"`` (each split's fp32 part in its own slice, then one pass of
-    `_sum_parts` in split order: deterministic) or ``"atomic"`` (fp32 atomic adds into a zeroed
-    output, then a cast)."""
+    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -468,16 +462,15 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
                              (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if split_sum not in ("parts", "atomic"):
-        raise ValueError(f"split_sum must be 'parts' or 'atomic', got {split_sum!r}")
     if nq == 0 or bsz == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    atomic = num_splits > 1 and split_sum == "atomic"
     if num_splits == 1:
         out = target = torch.empty_like(q)
-    elif atomic:
-        out = target = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:  # one fp32 slice per split, summed by `_sum_parts`: no zero fill, no atomics, a fixed order
+    else:
+        # NOTE: one fp32 slice per split, summed in split order by `_sum_parts`: no zero fill, no
+        # atomics, the same bits every run. Measured on the H200 against fp32 atomic adds into a
+        # zeroed output (docs/BENCHMARKS.md, commit a3ffa4b): bs 1 / 4096 history / head_dim 128
+        # 0.019 vs 0.027 ms, bs 2 0.027 vs 0.035, head_dim 256 bs 2 0.066 vs 0.089.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         target = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
     split_stride = target.stride(0) if target.dim() == 4 else 0
@@ -511,13 +504,11 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         target.stride(-3), target.stride(-2),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, ATOMIC=atomic, FAST=bool(fast), TMA=bool(tma),
+        IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
         REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
     )
-    if atomic:
-        return out.to(q.dtype)
     if num_splits > 1:
         n = out.numel()
         _sum_parts[(triton.cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
