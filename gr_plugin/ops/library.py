@@ -214,7 +214,7 @@ def traceable_triton(name: str) -> types.SimpleNamespace:
 
 def _decomposed(op_name: str, args: tuple):
     """The traced body of a CUDA call. NOTE: ``num_splits=1``: the launchers' split heuristic compares
-    symbolic sizes (and takes ``bit_length`` of one), which dynamic shapes cannot do. The whole-table
+    symbolic sizes, which dynamic shapes cannot do. The whole-table
     ops pass the table itself, never a per-layer view: Inductor re-inplaces a kernel's write to a
     graph input, while through a view (``select``, then ``select_scatter`` into the table) it may
     clone the whole table for every layer (and AOTInductor built with torch 2.11 read past the end of

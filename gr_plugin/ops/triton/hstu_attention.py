@@ -302,9 +302,9 @@ def _hstu_fwd(
 @triton.jit
 def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.constexpr):
     """``Out = sum over splits of Part[split]`` in split order, fp32, rounded once; rows past the
-    last user's (a graph bucket's padding, which no program writes) are 0."""
+    last user's (trailing rows no user owns, which no program writes) are 0."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < tl.load(q_offsets + bsz).to(tl.int64) * row_elems
+    live = (offs < tl.load(q_offsets + bsz).to(tl.int64) * row_elems) & (offs < n_part)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     ptrs = Part + offs
     for _ in range(splits):
@@ -368,6 +368,7 @@ def _num_sms(device: torch.device) -> int:
 
 _SUM_BLOCK = 1024
 MIN_SPLIT_BLOCKS = 2  # key blocks per split program, at least
+_MAX_SPLITS = 1024  # a bound on the fp32 parts' buffer (splits x the output); the rule picks at most 32
 _STREAM_TILES = 4096  # users x query blocks (powers of two) that stream-K's table may hold
 
 
@@ -400,9 +401,10 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
     - past one wave is slower (a part-full second wave), e.g. bs 8, 4096 history, head_dim 128
       (128x128 tiles, one per SM): unsplit 0.090 ms, split 2 0.102 ms; head_dim 256's 64x32 tiles
       fit two per SM, and bs 2 there runs 0.104 ms at 2 splits (96 programs), 0.074 ms at 4 (192);
-    - the count is a runtime argument of the kernel, so any count fills the SMs without a new
-      specialisation: bs 1, head_dim 128 takes 11 splits of 12 tiles (132 programs, at most 3 of
-      the 32 key blocks each): 0.019 ms, vs 0.021 ms at 8 (a power of two, 96 programs)."""
+    - the count is a runtime argument of the kernel, so any count fills the SMs (Triton compiles
+      at most three variants: a count of 1, a multiple of 16, any other): bs 1, head_dim 128 takes
+      11 splits of 12 tiles (132 programs, at most 3 of the 32 key blocks each): 0.019 ms, vs
+      0.021 ms at 8 (a power of two, 96 programs)."""
     kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
     wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
     return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
@@ -462,8 +464,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     elif num_splits is None:
         num_splits = _splits(m_blocks * bsz * heads, max_kv_len if max_kv_len is not None else max_q_len,
                              (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
-    if not (isinstance(num_splits, int) and num_splits >= 1):
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if num_splits == 1:
