@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
-from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, next_layer
-from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention
+from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack, next_layer
+from gr_plugin.ops import append_kv, paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Block:
         req = CacheRequest(users, [total] * len(users), torch.cat([torch.arange(total) + u * 10**7 for u in users]))
         return self.cache.allocate(self.cache.lookup(req))
 
-    # -- forward (the model's own loops: `HSTURanker.forward_layout` / `forward_cached`) ----------
+    # -- forward (the model's: `full_stack` as `HSTURanker.forward_layout`; `forward_cached`'s loop) --
     def full_fn(self, bs: int, hist: int, cands: int):
         c = self.cfg
         lens = [hist + cands] * bs
@@ -134,13 +134,7 @@ class Block:
         layout = _Layout(_offsets(lens, self.device), torch.full((bs,), cands, device=self.device), hist + cands)
 
         def run():
-            y, normed = x, None
-            for i, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(y, normed)
-                a = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
-                                          n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
-                y, normed = layer.finish_and_norm(y, u, a, next_layer(self.layers, i))
-            return y
+            return full_stack(self.layers, x, layout)
 
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
         return run, _flops(c, sum(lens), pairs)

@@ -129,11 +129,24 @@ class HSTULayer(nn.Module):
         n = self.attn_norm
         return self.dropout(self.output(layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)))
 
+    def attend_jagged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The full pass's attention over ``layout`` (history then candidates per user)."""
+        return hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=self.alpha,
+                                     n_norm=self.n_norm, max_seq_len=layout.max_q_len)
+
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         u, q, k, v = self.project(x)
-        attn = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=self.alpha,
-                                     n_norm=self.n_norm, max_seq_len=layout.max_q_len)
-        return self.finish(x, u, attn)
+        return self.finish(x, u, self.attend_jagged(q, k, v, layout))
+
+
+def full_stack(layers, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """The full pass of a layer stack over ``layout``, each layer's residual add fused with the next
+    layer's input norm (`HSTULayer.finish_and_norm`)."""
+    normed = None
+    for i, layer in enumerate(layers):
+        u, q, k, v = layer.project(x, normed)
+        x, normed = layer.finish_and_norm(x, u, layer.attend_jagged(q, k, v, layout), next_layer(layers, i))
+    return x
 
 
 class HSTURanker(nn.Module):
@@ -199,13 +212,7 @@ class HSTURanker(nn.Module):
     def forward_layout(self, layout: TokenLayout) -> torch.Tensor:
         """The full pass over a layout the caller built (``cached_lengths=None``), e.g. on the host
         and moved with `TokenLayout.to`."""
-        x, normed = self._embed(layout), None
-        for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x, normed)
-            attn = hstu_attention_jagged(q, k, v, layout.q_offsets, layout.candidate_lengths, alpha=layer.alpha,
-                                         n_norm=layer.n_norm, max_seq_len=layout.max_q_len)
-            x, normed = layer.finish_and_norm(x, u, attn, next_layer(self.layers, i))
-        return self._head(x, layout)
+        return self._head(full_stack(self.layers, self._embed(layout), layout), layout)
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
