@@ -157,6 +157,27 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     assert tri._resident(small, 256, 2, cpu) == 1 and tri._splits(48, 4096, small, 256, 2, cpu) == 2
 
 
+def test_split_rule_counts_the_tiles_that_can_hold_rows(monkeypatch):
+    """`_query_tiles` bounds the (user, query block) tiles holding rows by the rows there are, so a
+    CUDA graph bucket (``max_q_len`` = all its rows, a padding user) is split as its rows allow:
+    bs 1's bucket (384 real rows + 128 padding rows, 2 users, 128-row blocks) counts 5 tiles, not
+    the grid's 8. The bound is tight for some layout and never above the grid."""
+    assert tri._query_tiles(512, 2, 4, 128) == 5
+    assert tri._query_tiles(384, 1, 3, 128) == 3  # the block bench: max_q_len = the user's rows
+    assert tri._query_tiles(3072, 8, 3, 128) == 24  # bs 8: the grid is the smaller bound
+    assert tri._query_tiles(0, 3, 1, 64) == 1
+    assert tri._query_tiles(2, 3, 1, 64) == 2  # fewer rows than users
+    # tight: users of 129, 129 and 254 rows (512 rows, 3 users) fill 2 + 2 + 2 = 6 tiles
+    assert tri._query_tiles(512, 3, 4, 128) == 6
+    for lens in ([129, 129, 254], [1, 1, 510], [128, 128, 256], [100, 200, 212], [0, 0, 512], [1, 0, 0]):
+        assert sum(-(-n // 128) for n in lens) <= tri._query_tiles(sum(lens), len(lens), 4, 128)
+    counted = []
+    monkeypatch.setattr(tri, "_splits", lambda n, *a: counted.append(n) or 1)
+    _, paged = build([40, 0], [3, 2], [20, 0], 8, 2, 16, torch.float32, "cpu")
+    run(tri, "paged", {**paged, "max_q_len": 64, "blocks": (16, 8, 4, 1)})  # 23 + 2 rows: at most 2 + 1 tiles
+    assert counted == [3 * 2]  # (the grid: 4 blocks x 2 users) x 2 heads
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, 1025])
 def test_bad_split_count_is_refused(bad):
     _, paged = build([9], [2], [3], 8, 2, 16, torch.float32, "cpu")

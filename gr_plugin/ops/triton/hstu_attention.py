@@ -390,6 +390,18 @@ def _resident(blocks: tuple[int, int, int, int], dim: int, itemsize: int, device
     return max(1, min(smem // tiles, 65536 // (warps * 32 * 128), 2))
 
 
+def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
+    """At most how many (user, query block) tiles hold query rows: the grid has ``m_blocks`` per
+    user, but ``nq`` rows over ``bsz`` users fill at most ``k + (nq - k) // block_m`` of them, k =
+    min(bsz, nq) (k users of l rows hold ``1 + (l - 1) // block_m`` each, a sum largest with the
+    most users holding rows). The split rule counts these, not the grid: a CUDA
+    graph bucket passes ``max_q_len`` = all of its query rows (its users' lengths vary between
+    replays), which would count every user as holding them all (bs 1 with its padding user: 8 tiles
+    of 128 rows counted for at most 5 that can hold rows, so 4 splits instead of 6)."""
+    users = min(bsz, nq)
+    return max(1, min(m_blocks * bsz, users + (nq - users) // block_m))
+
+
 def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int, itemsize: int,
             device: torch.device) -> int:
     """Key splits per query block for the split grid: with few query blocks (small batches, short
@@ -462,7 +474,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         num_splits = 1
         programs = programs or _num_sms(q.device)
     elif num_splits is None:
-        num_splits = _splits(m_blocks * bsz * heads, max_kv_len if max_kv_len is not None else max_q_len,
+        num_splits = _splits(_query_tiles(nq, bsz, m_blocks, block_m) * heads,
+                             max_kv_len if max_kv_len is not None else max_q_len,
                              (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
