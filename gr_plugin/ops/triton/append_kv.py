@@ -12,13 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import pdl_options, table_layout, wait_inputs
+from gr_plugin.ops.triton import table_layout
 
 
 @triton.jit
 def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
-            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_inputs(PDL)
+            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows + i).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
@@ -50,4 +49,4 @@ def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     layer_pages, sp = table_layout(kv_layer, layer)
     block = min(1024, triton.next_power_of_2(width))
     _append[(n,)](k, v, kv_layer, rows, slots, layer_pages, k.stride(0), v.stride(0), sp[0], sp[1], sp[2],
-                  PAGE_SIZE=page_size, WIDTH=width, BLOCK=block, num_warps=4, **pdl_options(kv_layer))
+                  PAGE_SIZE=page_size, WIDTH=width, BLOCK=block, num_warps=4)

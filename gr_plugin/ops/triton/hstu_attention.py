@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import pdl_options, table_layout, wait_inputs
+from gr_plugin.ops.triton import table_layout
 
 
 @triton.jit
@@ -205,9 +205,8 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
-    REVERSED: tl.constexpr, PDL: tl.constexpr,
+    REVERSED: tl.constexpr,
 ):
-    wait_inputs(PDL)
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
         # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads). With
@@ -301,10 +300,9 @@ def _hstu_fwd(
 
 
 @triton.jit
-def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.constexpr):
     """``Out = sum over splits of Part[split]`` in split order, fp32, rounded once; rows past the
     last user's (trailing rows no user owns, which no program writes) are 0."""
-    wait_inputs(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = (offs < tl.load(q_offsets + bsz).to(tl.int64) * row_elems) & (offs < n_part)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -526,12 +524,12 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
         REVERSED=bool(reversed_programs) and stream,
-        num_warps=warps, num_stages=stages, **pdl_options(out),
+        num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         n = out.numel()
         _sum_parts[(triton.cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
-                                                  BLOCK=_SUM_BLOCK, **pdl_options(out))
+                                                  BLOCK=_SUM_BLOCK)
     return out
 
 

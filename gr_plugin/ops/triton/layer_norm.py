@@ -16,13 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import pdl_options, wait_inputs
-
 
 @triton.jit
-def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-            PDL: tl.constexpr):
-    wait_inputs(PDL)
+def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
@@ -47,14 +43,12 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
         return out
     block = triton.next_power_of_2(n)
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
-                  num_warps=4 if block <= 1024 else 8, **pdl_options(out))
+                  num_warps=4 if block <= 1024 else 8)
     return out
 
 
 @triton.jit
-def _add_ln(X, O, Y, Z, W, B, stride_x, stride_o, stride_y, stride_z, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-            PDL: tl.constexpr):
-    wait_inputs(PDL)
+def _add_ln(X, O, Y, Z, W, B, stride_x, stride_o, stride_y, stride_z, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
@@ -83,5 +77,5 @@ def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias:
         return y, z
     block = triton.next_power_of_2(n)
     _add_ln[(m,)](x, o, y, z, weight, bias, x.stride(0), o.stride(0), y.stride(0), z.stride(0), float(eps), N=n,
-                  BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl_options(y))
+                  BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return y, z
