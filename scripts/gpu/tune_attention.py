@@ -1,9 +1,10 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py [quick|schedules|splits]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
+python3 scripts/gpu/tune_attention.py [quick|schedules|splits|bucket]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
 warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
 grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs per
-SM) only; ``splits``: the split grid's variants only, with more small-batch cases
+SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: the split
+counts of a CUDA graph bucket's launch (padding user, all rows as ``max_q_len``)
 """
 
 import itertools
@@ -40,7 +41,7 @@ def bench(fn):
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
-if {"quick", "schedules", "splits"} & set(sys.argv[1:]):
+if {"quick", "schedules", "splits", "bucket"} & set(sys.argv[1:]):
     CONFIGS = []
 
 
@@ -129,6 +130,50 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
         print(f"   {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s  eager {eager_us(fn):.0f} us/call  {label}  "
               f"(max diff vs split {diff:.2e})")
 
+
+def bucket_case(bs, hist, new, cands, heads, dim, page, quantum=256):
+    """`case` as a CUDA graph bucket of `gr_plugin.modules.graphs` holds it: a padding user with no
+    history owns the query rows up to the next multiple of ``quantum`` past the real ones (at least
+    one), ``max_q_len`` is every query row, ``max_history_len`` the cache's capacity (here 4x)."""
+    args, _, max_kv = case(bs, hist, new, cands, heads, dim, page)
+    q, k, v, kv, idx, indptr, q_off, hl, nl = args
+    nq = q.shape[0]
+    tokens = -(-(nq + 1) // quantum) * quantum
+    pad = torch.zeros(tokens - nq, heads, dim, device="cuda", dtype=q.dtype)
+    q, k, v = (torch.cat([t, pad]) for t in (q, k, v))
+    zero = torch.zeros(1, device="cuda", dtype=torch.int64)
+    args = (q, k, v, kv, idx, torch.cat([indptr, indptr[-1:]]), torch.cat([q_off, q_off.new_tensor([tokens])]),
+            torch.cat([hl, zero]), torch.cat([nl, zero]))
+    return args, tokens, 4 * max_kv
+
+
+if "bucket" in sys.argv[1:]:
+    # the split count a graph bucket's launch takes: counted from the grid (before commit 5753a8b), from
+    # the query tiles that can hold rows (`_query_tiles`), and from the real users alone (what the block
+    # bench's launch, which has no padding user, takes)
+    for bs in (1, 2, 4):
+        args, max_q, max_kv = bucket_case(bs, 4096, 128, 256, 4, 128, 128)
+        blocks = tri._blocks(128, torch.bfloat16, True, args[0].device)
+        bm = blocks[0]
+        users, nq = bs + 1, args[0].shape[0]
+        grid = tri._splits(users * -(-max_q // bm) * 4, max_kv, blocks, 128, 2, args[0].device)
+        rule = tri._splits(tri._query_tiles(nq, users, -(-max_q // bm), bm) * 4, max_kv, blocks, 128, 2,
+                           args[0].device)
+        real = tri._splits(bs * -(-384 // bm) * 4, max_kv, blocks, 128, 2, args[0].device)
+        flops = bs * 4 * 384 * 4096 * 128 * 4
+        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
+        fns = {n: (lambda n=n: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=n))
+               for n in sorted({grid, rule, real})}
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(3):
+            for n, fn in fns.items():
+                best[n] = min(best[n], graphed(fn))
+        print(f"bucket bs{bs} (+1 padding user, {nq} query rows): splits by grid {grid}, by rule {rule}, "
+              f"real users {real}; launch default -> {rule}")
+        for n, ms in best.items():
+            diff = (fns[n]().float() - ref.float())[: bs * 384].abs().max().item()
+            print(f"   {n:3d} splits: {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  (max diff vs 1 split {diff:.2e})")
+    sys.exit(0)
 
 if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:
     only_split = "splits" in sys.argv[1:]
