@@ -47,6 +47,7 @@ class _Bucket:
     users: int  # batch rows of the graph (the real users, then padding users)
     tokens: int  # query rows of the graph
     new: int  # new-token rows of the graph
+    max_q: int  # query rows of any one user, at most (the attention's grid; the padding user's too)
     fields: dict[str, tuple[int, int]]  # name -> [start, end) in ``ints`` (kv_indices last)
     ints: torch.Tensor  # every int input of the step, packed (device)
     staging: list[torch.Tensor]  # two pinned host buffers of the same layout, used in turn
@@ -68,15 +69,17 @@ class _Bucket:
 class CachedStackGraphs:
     """See the module docstring. Shapes are padded up to buckets (users to a power of two plus one
     padding user, query rows to a multiple of ``token_quantum``, new rows to a multiple of
-    ``new_quantum``): padding query rows belong to a padding user with no history (they only see
-    themselves, and are dropped), padding new rows write their K/V into a reserved scratch page,
-    padding ids are 0 (a valid row of every table) and padding head rows are dropped.
+    ``new_quantum``, one user's query rows to a multiple of ``q_quantum``): padding query rows
+    belong to a padding user with no history (they only see themselves, and are dropped), padding
+    new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row of every
+    table) and padding head rows are dropped.
     """
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
-                 token_quantum: int = 256, new_quantum: int = 128) -> None:
+                 token_quantum: int = 256, new_quantum: int = 128, q_quantum: int = 128) -> None:
         self.model, self.cache, self.max_buckets = model, cache, max_buckets
         self.capture_after, self.token_quantum, self.new_quantum = capture_after, token_quantum, new_quantum
+        self.q_quantum = q_quantum
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
         self._seen: dict[tuple[int, ...], int] = {}
         self._pool = None
@@ -119,7 +122,7 @@ class CachedStackGraphs:
             self.cache.manager.append_fn(table, k, v, slots, rows)
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
-                                 max_q_len=b.tokens, max_history_len=self._max_history, num_history_tokens=0)
+                                 max_q_len=b.max_q, max_history_len=self._max_history, num_history_tokens=0)
         nxt = next_layer(self.model.layers, i)
         layer.finish_and_norm(b.ys[i], u, a, nxt, out=b.ys[i + 1], normed_out=None if nxt is None else b.normed[i + 1])
 
@@ -170,7 +173,7 @@ class CachedStackGraphs:
         b.staged[i].record()
 
     def _new_bucket(self, key: tuple[int, ...], device: torch.device) -> _Bucket:
-        users, tokens, new = key
+        users, tokens, new, max_q = key
         page = self.cache.config.page_size
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
@@ -181,7 +184,7 @@ class CachedStackGraphs:
             at += size
         d = self.model.config.embedding_dim
         x = torch.zeros(tokens, d, dtype=self.model.output_norm.weight.dtype, device=device)
-        b = _Bucket(users=users, tokens=tokens, new=new, fields=fields,
+        b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, fields=fields,
                     ints=torch.zeros(at, dtype=torch.int64, device=device),
                     staging=(staging := [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]),
                     staging_np=[t.numpy() for t in staging],
@@ -252,7 +255,12 @@ class CachedStackGraphs:
             self._table = table
         nq = layout.num_query_tokens
         tokens = _round_up(nq + 1, self.token_quantum)  # + 1: the padding user always has a row
-        key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum))
+        # NOTE: the attention's grid and split count follow max_q (each user's query rows at most, the
+        # padding user's at most token_quantum), not the bucket's token count: with every row as one
+        # user's, a bs-4 bucket took 1 key split where 2 fill the SMs (H200: 0.085 vs 0.054 ms a
+        # layer, docs/BENCHMARKS.md)
+        max_q = min(tokens, max(_round_up(layout.max_q_len, self.q_quantum), self.token_quantum))
+        key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum), max_q)
         if key in self._failed:
             return None
         with torch.cuda.device(table.device):

@@ -70,27 +70,28 @@ def _silu_append(Z, S, KV, rows, slots, layer_pages, n_rows, stride_z, stride_s,
                  stride_pt, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, KV_WIDTH: tl.constexpr,
                  BLOCK: tl.constexpr, CUDA: tl.constexpr):
     i = tl.program_id(0)
+    # NOTE: the two branches name their values apart (a compiled if/else must give a name one type)
     if i < n_rows:  # the first n_rows programs: SiLU of row i of the projection
-        src = Z + i.to(tl.int64) * stride_z
-        dst = S + i.to(tl.int64) * stride_s
+        z_row = Z + i.to(tl.int64) * stride_z
+        s_row = S + i.to(tl.int64) * stride_s
         for c0 in range(0, WIDTH, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             ok = c < WIDTH
-            x = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
-            tl.store(dst + c, _silu(x, CUDA).to(S.dtype.element_ty), mask=ok)
+            x = tl.load(z_row + c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(s_row + c, _silu(x, CUDA).to(S.dtype.element_ty), mask=ok)
     else:  # then one per new token: its K and V columns, SiLU'd again from Z (S is being written)
         j = i - n_rows
         row = tl.load(rows + j).to(tl.int64)
         slot = tl.load(slots + j).to(tl.int64)
-        dst = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
-        src = Z + row * stride_z
+        at = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
+        z_new = Z + row * stride_z
         for c0 in range(0, KV_WIDTH, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             ok = c < KV_WIDTH
-            k = _silu(tl.load(src + k_col + c, mask=ok, other=0.0).to(tl.float32), CUDA)
-            v = _silu(tl.load(src + v_col + c, mask=ok, other=0.0).to(tl.float32), CUDA)
-            tl.store(KV + dst + c, k.to(KV.dtype.element_ty), mask=ok)
-            tl.store(KV + stride_pkv + dst + c, v.to(KV.dtype.element_ty), mask=ok)
+            k = _silu(tl.load(z_new + k_col + c, mask=ok, other=0.0).to(tl.float32), CUDA)
+            v = _silu(tl.load(z_new + v_col + c, mask=ok, other=0.0).to(tl.float32), CUDA)
+            tl.store(KV + at + c, k.to(KV.dtype.element_ty), mask=ok)
+            tl.store(KV + stride_pkv + at + c, v.to(KV.dtype.element_ty), mask=ok)
 
 
 def silu_append(z: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, k_col: int,
