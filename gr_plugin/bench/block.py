@@ -18,7 +18,6 @@ allocate has its own suite.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import statistics
 import time
@@ -29,7 +28,7 @@ import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack, next_layer
-from gr_plugin.ops import append_kv, paged_hstu_attention, silu_append
+from gr_plugin.ops import append_kv, paged_hstu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +139,7 @@ class Block:
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
         return run, _flops(c, sum(lens), pairs)
 
-    def cached_fn(self, plan, bs: int, new: int, cands: int, fused: bool = True):
-        """The cached step (as the engine's graphs run it), and its useful FLOPs. ``fused`` False:
-        the SiLU and the append as two launches (``F.silu``, then `append_kv`), for comparison."""
+    def cached_fn(self, plan, bs: int, new: int, cands: int, waits=None):
         c = self.cfg
         meta = plan.metadata
         qlen = [new + cands] * bs
@@ -155,12 +152,10 @@ class Block:
         def run():
             y, normed = x, None
             for i, layer in enumerate(self.layers):
-                if fused:
-                    append = functools.partial(silu_append, kv_layer=table[i], slots=slots, rows=rows)
-                    u, q, k, v = layer.project(y, normed, append=append)
-                else:
-                    u, q, k, v = layer.project(y, normed)
-                    self.cache.append_fn(table[i], k, v, slots, rows)
+                u, q, k, v = layer.project(y, normed)
+                if waits is not None:
+                    waits(i)
+                self.cache.append_fn(table[i], k, v, slots, rows)
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
@@ -212,8 +207,8 @@ class StaticStep:
 
     def _layer(self, i: int) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
-        append = functools.partial(silu_append, kv_layer=table[i], slots=self.slots, rows=self.rows)
-        u, q, k, v = layer.project(self.ys[i], self.normed[i] if i else None, append=append)
+        u, q, k, v = layer.project(self.ys[i], self.normed[i] if i else None)
+        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,

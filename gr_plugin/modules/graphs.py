@@ -15,7 +15,6 @@ from device tensors, so replays compute exactly what the eager step computes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import numpy as np
@@ -25,7 +24,7 @@ from gr_plugin.cache import BatchPlan
 from gr_plugin.modules.hstu import HSTURanker, next_layer
 from gr_plugin.modules.kv_cache import KVCacheModule
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
-from gr_plugin.ops import append_kv, paged_hstu_attention, silu_append
+from gr_plugin.ops import paged_hstu_attention
 from gr_plugin.ops.hstu_attention import _use_triton
 
 logger = logging.getLogger(__name__)
@@ -113,13 +112,8 @@ class CachedStackGraphs:
     def _layer(self, b: _Bucket, i: int) -> None:
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
-        slots, rows = b.view("slots"), b.view("rows")
-        if self.cache.manager.append_fn is append_kv:  # the SiLU and the append in one launch
-            append = functools.partial(silu_append, kv_layer=table, slots=slots, rows=rows)
-            u, q, k, v = layer.project(b.ys[i], b.normed[i] if i else None, append=append)
-        else:  # the manager's own append function
-            u, q, k, v = layer.project(b.ys[i], b.normed[i] if i else None)
-            self.cache.manager.append_fn(table, k, v, slots, rows)
+        u, q, k, v = layer.project(b.ys[i], b.normed[i] if i else None)
+        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.max_q, max_history_len=self._max_history, num_history_tokens=0)

@@ -101,16 +101,10 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(hd, d, device=device)
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None, append=None) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``; ``normed`` is ``input_norm(x)``
-        when the caller has it (`finish` of the layer before computed it with its residual add).
-        ``append(z, k_col=, v_col=)``, when given, takes the SiLU's place: it returns ``SiLU(z)`` of
-        the projection ``z`` after appending the new tokens' K/V (columns ``k_col``/``v_col`` on) to
-        the pages (`gr_plugin.ops.silu_append`, one launch for both)."""
-        z = self.uvqk(self.input_norm(x) if normed is None else normed)
-        hd = self.num_heads * self.head_dim
-        s = F.silu(z) if append is None else append(z, k_col=3 * hd, v_col=hd)
-        u, v, q, k = s.chunk(4, dim=-1)
+        when the caller has it (`finish` of the layer before computed it with its residual add)."""
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x) if normed is None else normed)).chunk(4, dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 

@@ -2,8 +2,7 @@
 
 python3 scripts/gpu/profile_block.py [head_dim] [page] [bs] -> for the cached step (4096 history, 3968 cached,
 128 new, 256 candidates per user) and the full recomputation, the device time of each kernel (summed over the
-8 layers, averaged over the profiled steps), its share, and the step's wall time as CUDA graphs (the cached step
-per layer, whole, and whole with the SiLU and the append as two launches; interleaved rounds, best median).
+8 layers, averaged over the profiled steps), its share, and the step's wall time as CUDA graphs.
 """
 
 import collections
@@ -42,16 +41,11 @@ def kernels(fn, steps=10):
 
 with torch.no_grad():
     cached_fn, _ = blk.cached_fn(plan, bs, hist - cached, cands)
-    unfused_fn, _ = blk.cached_fn(plan, bs, hist - cached, cands, fused=False)
     full_fn, _ = blk.full_fn(bs, hist, cands)
     step = StaticStep(blk, plan, bs, hist - cached, cands)
-    full_graph, cached_graph, unfused_graph = _graph(full_fn), _graph(cached_fn), _graph(unfused_fn)
-    walls = {"cached (graphs per layer)": float("inf"), "cached (one graph)": float("inf"),
-             "cached (one graph, SiLU and append unfused)": float("inf"), "full (graph)": float("inf")}
-    for _ in range(3):  # interleaved rounds, best median of each
-        for k, fn in zip(walls, (step.run, cached_graph, unfused_graph, full_graph)):
-            walls[k] = min(walls[k], _time_ms(fn, 20))
-for name, fn in (("cached (graphs)", step.run), ("cached, unfused (graph)", unfused_graph), ("full (graph)", full_graph)):
+    full_graph = _graph(full_fn)
+    walls = {"cached (graphs per layer)": _time_ms(step.run, 20), "full (graph)": _time_ms(full_graph, 10)}
+for name, fn in (("cached (graphs)", step.run), ("cached (eager)", cached_fn), ("full (graph)", full_graph)):
     times, counts = kernels(fn)
     total = sum(times.values())
     print(f"=== {name}: bs {bs} head_dim {dim} page {page}: kernel time {total / 1e3:.3f} ms per step")

@@ -160,7 +160,7 @@ if "bucket" in sys.argv[1:]:
         rule = tri._splits(tri._query_tiles(nq, users, -(-max_q // bm), bm) * 4, max_kv, blocks, 128, 2,
                            args[0].device)
         real = tri._splits(bs * -(-384 // bm) * 4, max_kv, blocks, 128, 2, args[0].device)
-        # the bucket's max_q (commit after 0823ed8): each user's query rows, rounded up to 128, at least 256
+        # the bucket's max_q (commit 6aae869 on): each user's query rows, rounded up to 128, at least 256
         bucket_q = max(-(-384 // 128) * 128, 256)
         by_q = tri._splits(tri._query_tiles(nq, users, -(-bucket_q // bm), bm) * 4, max_kv, blocks, 128, 2,
                            args[0].device)

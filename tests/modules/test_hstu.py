@@ -113,27 +113,3 @@ def test_direct_embedding_lookup_equals_torchrec_collection():
     torch.testing.assert_close(model._embed(layout), expected, rtol=0, atol=0)
     assert layout.features.length_per_key() == [layout.num_query_tokens] * len(EMBEDDING_KEYS)
     assert layout.to("cpu") is layout
-
-
-def test_project_with_a_fused_append_equals_project_then_append():
-    """`HSTULayer.project` with ``append`` (the graphed steps' `silu_append`: the SiLU and the page
-    append in one launch) returns the same u, q, k, v as the plain projection, and the pages hold
-    what appending that projection's k, v writes."""
-    import functools
-
-    from gr_plugin.cache import paged_ops
-    from gr_plugin.modules.hstu import HSTULayer
-    from gr_plugin.ops import silu_append
-
-    cfg = HSTUConfig(embedding_dim=16, num_heads=2, head_dim=8)
-    layer = HSTULayer(cfg).eval()
-    x = torch.randn(6, 16)
-    table, want = torch.zeros(3, 2, 4, 2, 8), torch.zeros(3, 2, 4, 2, 8)
-    slots, rows = torch.tensor([5, 0, 11]), torch.tensor([1, 2, 4])
-    with torch.no_grad():
-        fused = layer.project(x, append=functools.partial(silu_append, kv_layer=table, slots=slots, rows=rows))
-        plain = layer.project(x)
-    for a, b in zip(fused, plain):
-        assert torch.equal(a, b)
-    paged_ops.append_kv(want, plain[2], plain[3], slots, rows)
-    assert torch.equal(table, want) and table.abs().sum() > 0
