@@ -226,7 +226,7 @@ class CachedStackGraphs:
                 self._pool = g.pool() if self._pool is None else self._pool
                 b.whole = (g, logits)
         self.captures += 1
-        logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new),
+        logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q),
                     "per layer" if layered else "whole")
 
     def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
