@@ -2,14 +2,15 @@
 
 Owns the static buffers and the graphs of the cached step: embedding lookups, the layer stack
 (append + paged attention per layer) and the head. A bucket is the step's padded shape (users,
-query tokens, new tokens); the first batch of a bucket that is seen often enough is captured, later
-ones replay. A step's inputs (ids, token layout, page metadata, append slots) are packed on the
-host, from the host layout and the plan's ``host_metadata``, into one pinned buffer in the
-bucket's fixed order and reach the device in one copy, so a replayed step costs the host one copy
-and one graph launch. A step whose plan onboards pages from a lower tier replays the bucket's per-layer
-graphs instead (embeddings in the first, the head in the last), with the layer's onboard wait
-between replays. Inputs that vary inside a bucket (history lengths, pages) are read by the kernels
-from device tensors, so replays compute exactly what the eager step computes.
+query tokens, new tokens, one user's query tokens: `bucket_key`); the first batch of a bucket that
+is seen often enough is captured, later ones replay. A step's inputs (ids, token layout, page
+metadata, append slots) are packed on the host, from the host layout and the plan's
+``host_metadata``, into one pinned buffer in the bucket's fixed order and reach the device in one
+copy, so a replayed step costs the host one copy and one graph launch. A step whose plan onboards
+pages from a lower tier replays the bucket's per-layer graphs instead (embeddings in the first,
+the head in the last), with the layer's onboard wait between replays. Inputs that vary inside a
+bucket (history lengths, pages) are read by the kernels from device tensors, so replays compute
+exactly what the eager step computes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+EXACT_USERS = 8  # buckets of fewer users (padding user included) key on the exact count
+
+
+def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int, token_quantum: int = 256,
+               new_quantum: int = 128, q_quantum: int = 128) -> tuple[int, int, int, int]:
+    """``(users, tokens, new, max_q)`` of a step's bucket: the users plus one padding user (exactly
+    below `EXACT_USERS`, else up to a power of two: the rest are empty), the query rows rounded up
+    past the real ones (at least one padding row), the new rows rounded up, and each user's query
+    rows at most (``max_q_len``, an upper bound is fine, rounded up; at least ``token_quantum``,
+    which bounds the padding user's rows), the attention's ``max_q_len``.
+
+    NOTE: the attention's key splits follow the users and rows that can hold a query tile
+    (`gr_plugin.ops.triton.hstu_attention._query_tiles`): with empty padding users counted (a
+    power of two of users) or every row as one user's (``max_q_len`` = all rows), a bs-4 bucket took
+    1 split where 2 fill the SMs (H200: 0.084 vs 0.053 ms a layer, docs/BENCHMARKS.md)."""
+    tokens = _round_up(num_query_tokens + 1, token_quantum)
+    users = batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
+    max_q = min(tokens, max(_round_up(max_q_len, q_quantum), token_quantum))
+    return users, tokens, _round_up(max(num_new_tokens, 1), new_quantum), max_q
+
+
 @dataclasses.dataclass
 class _Bucket:
     users: int  # batch rows of the graph (the real users, then padding users)
@@ -66,12 +88,12 @@ class _Bucket:
 
 
 class CachedStackGraphs:
-    """See the module docstring. Shapes are padded up to buckets (users to a power of two plus one
-    padding user, query rows to a multiple of ``token_quantum``, new rows to a multiple of
-    ``new_quantum``, one user's query rows to a multiple of ``q_quantum``): padding query rows
-    belong to a padding user with no history (they only see themselves, and are dropped), padding
-    new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row of every
-    table) and padding head rows are dropped.
+    """See the module docstring. Shapes are padded up to buckets (`bucket_key`: users plus one
+    padding user, exactly or up to a power of two; query rows to a multiple of ``token_quantum``,
+    new rows to a multiple of ``new_quantum``, one user's query rows to a multiple of
+    ``q_quantum``): padding query rows belong to a padding user with no history (they only see
+    themselves, and are dropped), padding new rows write their K/V into a reserved scratch page,
+    padding ids are 0 (a valid row of every table) and padding head rows are dropped.
     """
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
@@ -247,14 +269,8 @@ class CachedStackGraphs:
                 logger.info("the cache's KV table moved: dropping %d captured buckets", len(self._buckets))
             self._buckets.clear()
             self._table = table
-        nq = layout.num_query_tokens
-        tokens = _round_up(nq + 1, self.token_quantum)  # + 1: the padding user always has a row
-        # NOTE: the attention's grid and split count follow max_q (each user's query rows at most, the
-        # padding user's at most token_quantum), not the bucket's token count: with every row as one
-        # user's, a bs-4 bucket took 1 key split where 2 fill the SMs (H200: 0.085 vs 0.054 ms a
-        # layer, docs/BENCHMARKS.md)
-        max_q = min(tokens, max(_round_up(layout.max_q_len, self.q_quantum), self.token_quantum))
-        key = (_pow2(meta.batch_size + 1), tokens, _round_up(max(meta.num_new_tokens, 1), self.new_quantum), max_q)
+        key = bucket_key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
+                         self.token_quantum, self.new_quantum, self.q_quantum)
         if key in self._failed:
             return None
         with torch.cuda.device(table.device):

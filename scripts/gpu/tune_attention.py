@@ -3,8 +3,8 @@
 python3 scripts/gpu/tune_attention.py [quick|schedules|splits|bucket]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
 warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
 grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs per
-SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: the split
-counts of a CUDA graph bucket's launch (padding user, all rows as ``max_q_len``)
+SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA
+graph bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`)
 """
 
 import itertools
@@ -131,54 +131,58 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
               f"(max diff vs split {diff:.2e})")
 
 
-def bucket_case(bs, hist, new, cands, heads, dim, page, quantum=256):
-    """`case` as a CUDA graph bucket of `gr_plugin.modules.graphs` holds it: a padding user with no
-    history owns the query rows up to the next multiple of ``quantum`` past the real ones (at least
-    one), ``max_q_len`` is every query row, ``max_history_len`` the cache's capacity (here 4x)."""
+def bucket_case(bs, users, hist, new, cands, heads, dim, page, quantum=256):
+    """`case` as a CUDA graph bucket of `gr_plugin.modules.graphs` holds it: ``users`` segments, the
+    ``bs`` real users', then a padding user with no history owning the query rows up to the next
+    multiple of ``quantum`` past the real ones (at least one), then empty ones; ``max_history_len``
+    the cache's capacity (here 4x). Returns the args, the bucket's rows and that capacity."""
     args, _, max_kv = case(bs, hist, new, cands, heads, dim, page)
     q, k, v, kv, idx, indptr, q_off, hl, nl = args
     nq = q.shape[0]
     tokens = -(-(nq + 1) // quantum) * quantum
     pad = torch.zeros(tokens - nq, heads, dim, device="cuda", dtype=q.dtype)
     q, k, v = (torch.cat([t, pad]) for t in (q, k, v))
-    zero = torch.zeros(1, device="cuda", dtype=torch.int64)
-    args = (q, k, v, kv, idx, torch.cat([indptr, indptr[-1:]]), torch.cat([q_off, q_off.new_tensor([tokens])]),
-            torch.cat([hl, zero]), torch.cat([nl, zero]))
+    extra = users - bs
+    zeros = torch.zeros(extra, device="cuda", dtype=torch.int64)
+    args = (q, k, v, kv, idx, torch.cat([indptr, indptr[-1:].repeat(extra)]),
+            torch.cat([q_off, q_off.new_full((extra,), tokens)]), torch.cat([hl, zeros]), torch.cat([nl, zeros]))
     return args, tokens, 4 * max_kv
 
 
 if "bucket" in sys.argv[1:]:
-    # the split count a graph bucket's launch takes: counted from the grid (before commit 5753a8b), from
-    # the query tiles that can hold rows (`_query_tiles`), and from the real users alone (what the block
-    # bench's launch, which has no padding user, takes)
-    for bs in (1, 2, 4):
-        args, max_q, max_kv = bucket_case(bs, 4096, 128, 256, 4, 128, 128)
-        blocks = tri._blocks(128, torch.bfloat16, True, args[0].device)
-        bm = blocks[0]
-        users, nq = bs + 1, args[0].shape[0]
-        grid = tri._splits(users * -(-max_q // bm) * 4, max_kv, blocks, 128, 2, args[0].device)
-        rule = tri._splits(tri._query_tiles(nq, users, -(-max_q // bm), bm) * 4, max_kv, blocks, 128, 2,
-                           args[0].device)
-        real = tri._splits(bs * -(-384 // bm) * 4, max_kv, blocks, 128, 2, args[0].device)
-        # the bucket's max_q (commit 6aae869 on): each user's query rows, rounded up to 128, at least 256
-        bucket_q = max(-(-384 // 128) * 128, 256)
-        by_q = tri._splits(tri._query_tiles(nq, users, -(-bucket_q // bm), bm) * 4, max_kv, blocks, 128, 2,
-                           args[0].device)
-        flops = bs * 4 * 384 * 4096 * 128 * 4
-        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
-        fns = {n: (lambda n=n: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=n))
-               for n in sorted({grid, rule, real, by_q})}
-        fns["max_q"] = lambda: tri._launch(*args, 0.1, 4096.0, bucket_q, paged=True, max_kv_len=max_kv)
+    # the attention launch of an engine bucket (e2e requests: 128 new + 256 candidates per user, history 4096,
+    # head_dim 128), side by side: as commit d3b28d0 launched it (a power of two of users, max_q_len = every row,
+    # splits counted from the grid), as 5753a8b did (the same launch, splits from `_query_tiles`), and as
+    # `bucket_key` keys it now (exact users below EXACT_USERS, max_q_len = each user's rows rounded up)
+    from gr_plugin.modules.graphs import _pow2, bucket_key
+
+    blocks = tri._blocks(128, torch.bfloat16, True, torch.device("cuda"))
+    bm = blocks[0]
+    for bs in (1, 2, 4, 8):
+        users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
+        old_users = _pow2(bs + 1)
+        old_args, _, max_kv = bucket_case(bs, old_users, 4096, 128, 256, 4, 128, 128)
+        new_args, _, _ = bucket_case(bs, users, 4096, 128, 256, 4, 128, 128)
+        grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device)
+        variants = {
+            f"d3b28d0: {old_users} users, max_q_len {tokens}, {grid} splits (grid count)":
+                (old_args, tokens, grid),
+            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None),
+            f"now: {users} users, max_q_len {max_q}, rule": (new_args, max_q, None),
+        }
+        ref = tri._launch(*new_args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
+        fns = {label: (lambda a=a, mq=mq, n=n: tri._launch(*a, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv,
+                                                            num_splits=n))
+               for label, (a, mq, n) in variants.items()}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(3):
-            for n, fn in fns.items():
-                best[n] = min(best[n], graphed(fn))
-        print(f"bucket bs{bs} (+1 padding user, {nq} query rows): splits by grid {grid}, by rule {rule}, "
-              f"real users {real}, by rule with max_q_len {bucket_q}: {by_q}")
-        for n, ms in best.items():
-            diff = (fns[n]().float() - ref.float())[: bs * 384].abs().max().item()
-            label = f"{n:3d} splits" if n != "max_q" else f"launch with max_q_len {bucket_q}"
-            print(f"   {label}: {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  (max diff vs 1 split {diff:.2e})")
+            for label, fn in fns.items():
+                best[label] = min(best[label], graphed(fn))
+        flops = bs * 4 * 384 * 4096 * 128 * 4
+        print(f"bucket bs{bs} ({tokens} query rows):")
+        for label, ms in best.items():
+            diff = (fns[label]().float() - ref.float())[: bs * 384].abs().max().item()
+            print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs 1 split {diff:.2e})")
     sys.exit(0)
 
 if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:

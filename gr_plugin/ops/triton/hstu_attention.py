@@ -394,10 +394,10 @@ def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
     """At most how many (user, query block) tiles hold query rows: the grid has ``m_blocks`` per
     user, but ``nq`` rows over ``bsz`` users fill at most ``k + (nq - k) // block_m`` of them, k =
     min(bsz, nq) (k users of l rows hold ``1 + (l - 1) // block_m`` each, a sum largest with the
-    most users holding rows). The split rule counts these, not the grid: a CUDA
-    graph bucket passes ``max_q_len`` = all of its query rows (its users' lengths vary between
-    replays), which would count every user as holding them all (bs 1 with its padding user: 8 tiles
-    of 128 rows counted for at most 5 that can hold rows, so 4 splits instead of 6)."""
+    most users holding rows). The split rule counts these, not the grid: a launch whose
+    ``max_q_len`` is loose (a CUDA graph bucket's bound on its users' rows, which vary between
+    replays) would otherwise count every user as holding that many (bs 1 with its padding user and
+    ``max_q_len`` = all 512 rows: 8 tiles of 128 rows counted for at most 5, so 4 splits, not 6)."""
     users = min(bsz, nq)
     return max(1, min(m_blocks * bsz, users + (nq - users) // block_m))
 

@@ -1,0 +1,56 @@
+"""`bucket_key`: the padded shape a cached step's CUDA graph is captured for (no GPU needed).
+
+Every user of every batch mapped to a bucket must fit the bucket's ``max_q`` (the attention kernel
+computes no query row past it), and the key must let the attention split its keys as the real
+users allow (`_query_tiles`).
+"""
+
+import pytest
+import torch
+
+from gr_plugin.modules.graphs import EXACT_USERS, bucket_key
+from gr_plugin.ops.triton import hstu_attention as tri
+
+
+@pytest.mark.parametrize(("token_quantum", "new_quantum", "q_quantum"), [(256, 128, 128), (100, 7, 48), (64, 64, 256)])
+def test_every_user_of_a_batch_fits_its_bucket(token_quantum, new_quantum, q_quantum):
+    """For batches of 1..10 users with query rows 1..300 each (the padding user takes the rest of the
+    bucket's rows): users, rows and new rows are covered, every real user's rows and the padding
+    user's rows are at most ``max_q``, and ``max_q`` is at most the bucket's rows, with any quanta."""
+    g = torch.Generator().manual_seed(0)
+    for bs in range(1, 11):
+        for _ in range(20):
+            lens = torch.randint(1, 301, (bs,), generator=g).tolist()
+            new = int(torch.randint(0, 100, (1,), generator=g))
+            users, tokens, new_rows, max_q = bucket_key(bs, sum(lens), new, max(lens), token_quantum, new_quantum,
+                                                        q_quantum)
+            assert users >= bs + 1 and tokens > sum(lens) and new_rows >= max(new, 1)
+            assert tokens % token_quantum == 0 and new_rows % new_quantum == 0
+            assert max(lens) <= max_q <= tokens and tokens - sum(lens) <= max_q
+            # an upper bound on the users' rows (what a caller may pass) keys no smaller max_q
+            assert bucket_key(bs, sum(lens), new, max(lens) + 5, token_quantum, new_quantum, q_quantum)[3] >= max_q
+
+
+def test_small_buckets_count_their_users_exactly():
+    """Below `EXACT_USERS` (the padding user included) the users are exact, so no empty padding
+    user counts as holding query rows; from there on they round up to a power of two."""
+    assert [bucket_key(bs, 384 * bs, 128 * bs, 384)[0] for bs in range(1, 10)] == [2, 3, 4, 5, 6, 7, 8, 16, 16]
+    assert EXACT_USERS == 8
+
+
+def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
+    """The e2e suite's requests (128 new events + 256 candidates per user, history 4096, head_dim
+    128, an H200's 132 SMs): the split count of the bucket's attention launch (its users, rows and
+    ``max_q``, as `CachedStackGraphs._layer` passes them) is what the real users plus the padding
+    user allow. Before: a power of two of users and ``max_q_len`` = all rows gave bs 2 and 4 one
+    split (measured 0.072 / 0.084 ms a layer against 0.034 / 0.053 at 3 / 2 splits)."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    cpu = torch.device("cpu")
+    blocks = (128, 128, 8, 2)  # the paged form's head_dim 128 tiles (bf16)
+    got = {}
+    for bs in (1, 2, 4, 8):
+        users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
+        m_blocks = -(-max_q // blocks[0])
+        got[bs] = tri._splits(tri._query_tiles(tokens, users, m_blocks, blocks[0]) * 4, 4 * 4096, blocks, 128, 2, cpu)
+    assert got == {1: 6, 2: 3, 4: 2, 8: 1}
