@@ -1,6 +1,6 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py [quick|schedules|splits|bucket]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
+python3 scripts/gpu/tune_attention.py [quick|schedules|splits|bucket [bs ...]]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
 warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
 grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs per
 SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA
@@ -158,11 +158,13 @@ if "bucket" in sys.argv[1:]:
 
     blocks = tri._blocks(128, torch.bfloat16, True, torch.device("cuda"))
     bm = blocks[0]
-    for bs in (1, 2, 4, 8):
+    for bs in [int(a) for a in sys.argv[2:]] or (1, 2, 4, 8):
         users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
         old_users = _pow2(bs + 1)
         old_args, _, max_kv = bucket_case(bs, old_users, 4096, 128, 256, 4, 128, 128)
-        new_args, _, _ = bucket_case(bs, users, 4096, 128, 256, 4, 128, 128)
+        # the same inputs, without the empty users past the padding user (`case` draws its page order anew)
+        new_args = (*old_args[:5], old_args[5][: users + 1], old_args[6][: users + 1], old_args[7][:users],
+                    old_args[8][:users])
         grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device)
         variants = {
             f"d3b28d0: {old_users} users, max_q_len {tokens}, {grid} splits (grid count)":
