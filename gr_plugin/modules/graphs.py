@@ -56,7 +56,7 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
     NOTE: the attention's key splits follow the users and rows that can hold a query tile
     (`gr_plugin.ops.triton.hstu_attention._query_tiles`): with empty padding users counted (a
     power of two of users) or every row as one user's (``max_q_len`` = all rows), a bs-4 bucket took
-    1 split where 2 fill the SMs (H200: 0.084 vs 0.053 ms a layer, docs/BENCHMARKS.md)."""
+    1 split where 2 fill the SMs (H200: 0.084 vs 0.054 ms a layer, docs/BENCHMARKS.md)."""
     tokens = _round_up(num_query_tokens + 1, token_quantum)
     users = batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
     max_q = min(tokens, max(_round_up(max_q_len, q_quantum), token_quantum))
