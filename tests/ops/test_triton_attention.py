@@ -171,6 +171,8 @@ def test_split_rule_counts_the_tiles_that_can_hold_rows(monkeypatch):
     assert tri._query_tiles(512, 3, 4, 128) == 6
     for lens in ([129, 129, 254], [1, 1, 510], [128, 128, 256], [100, 200, 212], [0, 0, 512], [1, 0, 0]):
         assert sum(-(-n // 128) for n in lens) <= tri._query_tiles(sum(lens), len(lens), 4, 128)
+    for nq, bsz, m_blocks in ((512, 3, 4), (10_000, 2, 5), (7, 9, 1)):
+        assert tri._query_tiles(nq, bsz, m_blocks, 128) <= m_blocks * bsz
     counted = []
     monkeypatch.setattr(tri, "_splits", lambda n, *a: counted.append(n) or 1)
     _, paged = build([40, 0], [3, 2], [20, 0], 8, 2, 16, torch.float32, "cpu")
