@@ -42,8 +42,9 @@ def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
     """The e2e suite's requests (128 new events + 256 candidates per user, history 4096, head_dim
     128, an H200's 132 SMs): the split count of the bucket's attention launch (its users, rows and
     ``max_q``, as `CachedStackGraphs._layer` passes them) is what the real users plus the padding
-    user allow. Before: a power of two of users and ``max_q_len`` = all rows gave bs 2 and 4 one
-    split (measured 0.072 / 0.084 ms a layer against 0.034 / 0.053 at 3 / 2 splits)."""
+    user allow. Before (d3b28d0: a power of two of users, ``max_q_len`` = all rows, the grid counted)
+    bs 2 and 4 took one split (H200, `scripts/gpu/tune_attention.py bucket`: 0.073 / 0.084 ms a
+    layer against 0.035 / 0.054 at 3 / 2 splits)."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
