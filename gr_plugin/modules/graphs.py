@@ -43,10 +43,12 @@ def _pow2(x: int) -> int:
 
 
 EXACT_USERS = 8  # buckets of fewer users (padding user included) key on the exact count
+TOKEN_QUANTUM, NEW_QUANTUM, Q_QUANTUM = 256, 128, 128  # `CachedStackGraphs`' default paddings
 
 
-def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int, token_quantum: int = 256,
-               new_quantum: int = 128, q_quantum: int = 128) -> tuple[int, int, int, int]:
+def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int,
+               token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
+               q_quantum: int = Q_QUANTUM) -> tuple[int, int, int, int]:
     """``(users, tokens, new, max_q)`` of a step's bucket: the users plus one padding user (exactly
     below `EXACT_USERS`, else up to a power of two: the rest are empty), the query rows rounded up
     past the real ones (at least one padding row), the new rows rounded up, and each user's query
@@ -97,7 +99,8 @@ class CachedStackGraphs:
     """
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
-                 token_quantum: int = 256, new_quantum: int = 128, q_quantum: int = 128) -> None:
+                 token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
+                 q_quantum: int = Q_QUANTUM) -> None:
         self.model, self.cache, self.max_buckets = model, cache, max_buckets
         self.capture_after, self.token_quantum, self.new_quantum = capture_after, token_quantum, new_quantum
         self.q_quantum = q_quantum

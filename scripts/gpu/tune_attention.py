@@ -90,7 +90,8 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
     tiles, kv_blocks = bs * heads * -(-max_q // bm), -(-max_kv // bn)
     pow2 = max(1, min(sms // tiles, kv_blocks // 4, 32))
     pow2 = 1 << (pow2.bit_length() - 1)  # the split rule before commit "any split count"
-    rule = tri._splits(tiles, max_kv, blocks, args[0].shape[-1], 2, args[0].device)
+    rule = tri._default_splits(args[0].shape[0], bs, heads, max_q, max_kv, blocks, args[0].shape[-1], 2,
+                               args[0].device)
     wave = sms * tri._resident(blocks, args[0].shape[-1], 2, args[0].device)
     variants = {
         "split": dict(schedule="split", tma=False),

@@ -52,6 +52,5 @@ def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
     got = {}
     for bs in (1, 2, 4, 8):
         users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
-        m_blocks = -(-max_q // blocks[0])
-        got[bs] = tri._splits(tri._query_tiles(tokens, users, m_blocks, blocks[0]) * 4, 4 * 4096, blocks, 128, 2, cpu)
+        got[bs] = tri._default_splits(tokens, users, 4, max_q, 4 * 4096, blocks, 128, 2, cpu)
     assert got == {1: 6, 2: 3, 4: 2, 8: 1}

@@ -402,6 +402,14 @@ def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
     return max(1, min(m_blocks * bsz, users + (nq - users) // block_m))
 
 
+def _default_splits(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
+                    blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device) -> int:
+    """The split grid's key splits where the caller names none: `_splits` of the programs of the
+    query tiles that can hold rows (`_query_tiles`)."""
+    m_blocks = triton.cdiv(max(max_q_len, 1), blocks[0])
+    return _splits(_query_tiles(nq, bsz, m_blocks, blocks[0]) * heads, max_kv_len, blocks, dim, itemsize, device)
+
+
 def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int, itemsize: int,
             device: torch.device) -> int:
     """Key splits per query block for the split grid: with few query blocks (small batches, short
@@ -474,9 +482,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         num_splits = 1
         programs = programs or _num_sms(q.device)
     elif num_splits is None:
-        num_splits = _splits(_query_tiles(nq, bsz, m_blocks, block_m) * heads,
-                             max_kv_len if max_kv_len is not None else max_q_len,
-                             (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
+        num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
+                                     (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
