@@ -10,7 +10,8 @@ side by side in one run:
   same bytes;
 - ``tiers``: one user, history in device pages (GPU hit) vs in the pinned host tier, onboarded all
   at once or layer by layer (each layer waits only for its own pages), next to the transfer floor;
-  the block runs as one CUDA graph per layer, so layerwise waits sit between the replays.
+  the block runs as the engine's graphs (one for the stack; layer segments for a layerwise onboard,
+  whose waits sit between the replays).
 Embedding lookup and the token layout are not part of "the block"; host overhead of lookup and
 allocate has its own suite.
 """
@@ -139,7 +140,7 @@ class Block:
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
         return run, _flops(c, sum(lens), pairs)
 
-    def cached_fn(self, plan, bs: int, new: int, cands: int, waits=None):
+    def cached_fn(self, plan, bs: int, new: int, cands: int):
         c = self.cfg
         meta = plan.metadata
         qlen = [new + cands] * bs
@@ -153,8 +154,6 @@ class Block:
             y, normed = x, None
             for i, layer in enumerate(self.layers):
                 u, q, k, v = layer.project(y, normed)
-                if waits is not None:
-                    waits(i)
                 self.cache.append_fn(table[i], k, v, slots, rows)
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
@@ -170,13 +169,15 @@ class Block:
 
 
 class StaticStep:
-    """The cached block over static buffers, captured as one CUDA graph per layer.
+    """The cached block over static buffers, captured as the engine's graphed step captures it
+    (`gr_plugin.modules.graphs`): one CUDA graph for the whole stack, and the stack in layer
+    segments (segment ``i`` ends with layer ``i``'s projection, segment ``i + 1`` starts with its
+    append) for a layerwise onboard, whose wait for layer ``i``'s pages sits between the two.
 
     ``load(plan)`` packs a plan's metadata and its append slots on the host (numpy, from the plan's
     ``host_metadata``) into one pinned buffer and copies it to the static one in one non-blocking
-    copy, as the engine's graphed step does (`gr_plugin.modules.graphs`); replaying layer ``i``
-    after ``wait(i)`` lets a layerwise onboard's wait sit between the graphs. Every plan loaded must
-    have the first plan's shape (users, pages, new tokens).
+    copy, as the engine's graphed step does. Every plan loaded must have the first plan's shape
+    (users, pages, new tokens).
     """
 
     def __init__(self, blk: Block, plan, bs: int, new: int, cands: int) -> None:
@@ -197,17 +198,33 @@ class StaticStep:
         self.rows = torch.cat([torch.arange(int(self.q_off[b]), int(self.q_off[b]) + new, device=blk.device)
                                for b in range(bs)])
         self.max_q, self.max_hist, self.num_hist = new + cands, meta.max_total_len, meta.num_total_tokens
-        self.ys = [self.x]
+        layers = len(blk.layers)
+        self.ys = [self.x] + [torch.empty_like(self.x) for _ in blk.layers]
         self.normed = [torch.empty_like(self.x) for _ in blk.layers]
-        self.graphs = []
-        with torch.no_grad():
-            for i in range(len(blk.layers)):
-                self.ys.append(torch.empty_like(self.x))
-                self.graphs.append(_graph(lambda i=i: self._layer(i)))
+        self.projected: list = [None] * layers  # each layer's u, q, k, v, held across its segments
 
-    def _layer(self, i: int) -> None:
+        def segment(i: int) -> None:
+            if i:
+                self._attend(i - 1, self.projected[i - 1])
+            if i < layers:
+                self.projected[i] = self._project(i)
+
+        def whole() -> None:
+            for i in range(layers):
+                self._attend(i, self._project(i))
+
+        with torch.no_grad():
+            # NOTE: each graph has its own pool; the last (captured) call of segment i leaves
+            # projected[i] in that pool, where segment i + 1's graph reads it
+            self.segments = [_graph(lambda i=i: segment(i)) for i in range(layers + 1)]
+            self.whole = _graph(whole)
+
+    def _project(self, i: int):
+        return self.blk.layers[i].project(self.ys[i], self.normed[i] if i else None)
+
+    def _attend(self, i: int, projected) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
-        u, q, k, v = layer.project(self.ys[i], self.normed[i] if i else None)
+        u, q, k, v = projected
         self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
@@ -238,9 +255,13 @@ class StaticStep:
         self.staged.record()
 
     def run(self, wait=None) -> None:
-        for i, replay in enumerate(self.graphs):
-            if wait is not None:
-                wait(i)
+        """The whole stack in one replay, or with ``wait(i)`` before layer ``i``'s append."""
+        if wait is None:
+            self.whole()
+            return
+        self.segments[0]()
+        for i, replay in enumerate(self.segments[1:]):
+            wait(i)
             replay()
 
 

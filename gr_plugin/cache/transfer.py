@@ -246,8 +246,14 @@ class _LazyCudaHandle(_CudaHandle):
         return super().done()
 
 
+def _consecutive(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
 def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """``(first index, first slot, length)`` of each run of consecutive slots, in order."""
+    if slots and _consecutive(slots):
+        return [(0, slots[0], len(slots))]  # the usual case, at C speed (a loop: ~0.3 µs a page)
     runs: list[tuple[int, int, int]] = []
     for i, s in enumerate(slots):
         if runs and s == runs[-1][1] + runs[-1][2] and i == runs[-1][0] + runs[-1][2]:
@@ -260,6 +266,8 @@ def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """``(first src, first dst, length)`` of each run where both sides are consecutive."""
+    if src and len(src) == len(dst) and _consecutive(src) and _consecutive(dst):
+        return [(src[0], dst[0], len(src))]
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:

@@ -7,8 +7,9 @@ is seen often enough is captured, later ones replay. A step's inputs (ids, token
 metadata, append slots) are packed on the host, from the host layout and the plan's
 ``host_metadata``, into one pinned buffer in the bucket's fixed order and reach the device in one
 copy, so a replayed step costs the host one copy and one graph launch. A step whose plan onboards
-pages from a lower tier replays the bucket's per-layer graphs instead (embeddings in the first,
-the head in the last), with the layer's onboard wait between replays. Inputs that vary inside a
+pages from a lower tier replays the bucket's layer segments instead (one graph from each layer's
+append to the next layer's projection; embeddings in the first, the head in the last), with each
+layer's onboard wait between its projection and its append, as in the eager step. Inputs that vary inside a
 bucket (history lengths, pages) are read by the kernels from device tensors, so replays compute
 exactly what the eager step computes.
 """
@@ -82,7 +83,8 @@ class _Bucket:
     normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
     turn: int = 0
     whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
-    layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None  # one per layer, logits
+    # layers + 1 segments (layer i's pages awaited before segment i + 1), logits, the projections
+    layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor, list] | None = None
 
     def view(self, name: str) -> torch.Tensor:
         a, b = self.fields[name]
@@ -135,9 +137,17 @@ class CachedStackGraphs:
         b.x.copy_(self.model.embed_ids(b.view("ids").view(_KEYS, b.tokens)))
 
     def _layer(self, b: _Bucket, i: int) -> None:
+        self._attend(b, i, self._project(b, i))
+
+    def _project(self, b: _Bucket, i: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``i``'s ``u, q, k, v``: what it computes before it touches its pages."""
+        return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None)
+
+    def _attend(self, b: _Bucket, i: int, projected: tuple[torch.Tensor, ...]) -> None:
+        """Layer ``i`` from its projection on: append its new K/V, attend over its pages, finish."""
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
-        u, q, k, v = layer.project(b.ys[i], b.normed[i] if i else None)
+        u, q, k, v = projected
         self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
@@ -223,24 +233,32 @@ class CachedStackGraphs:
         with torch.cuda.stream(side), torch.no_grad():
             self._embed(b)
             for i in range(layers):
+                projected = self._project(b, i)
                 self.cache.manager.wait_layer(plan, i)
-                self._layer(b, i)
+                self._attend(b, i, projected)
             self._head(b)
         torch.cuda.current_stream(dev).wait_stream(side)
         with torch.no_grad():
             if layered:
-                graphs = []
-                for i in range(layers):
+                # NOTE: segment i ends with layer i's projection and segment i + 1 starts with its
+                # append, so a replay waits for layer i's pages between the two, as the eager step
+                # does (`KVCacheModule.forward`): the projection runs while the pages are copied.
+                # The projections cross graphs: the bucket keeps them (the pool must not reuse them).
+                graphs, held = [], []
+                for i in range(layers + 1):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self._pool):
                         if i == 0:
                             self._embed(b)
-                        self._layer(b, i)
-                        if i == layers - 1:
+                        else:
+                            self._attend(b, i - 1, held[-1])
+                        if i < layers:
+                            held.append(self._project(b, i))
+                        else:
                             logits = self._head(b)
                     self._pool = g.pool() if self._pool is None else self._pool
                     graphs.append(g)
-                b.layered = (graphs, logits)
+                b.layered = (graphs, logits, held)
             else:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool):
@@ -303,8 +321,9 @@ class CachedStackGraphs:
                     self._failed.add(key)
                     return None
             if layered:
-                graphs, logits = b.layered
-                for i, g in enumerate(graphs):
+                graphs, logits, _ = b.layered
+                graphs[0].replay()
+                for i, g in enumerate(graphs[1:]):
                     self.cache.manager.wait_layer(plan, i)
                     g.replay()
                 self.layered_replays += 1

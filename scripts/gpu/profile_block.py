@@ -44,7 +44,7 @@ with torch.no_grad():
     full_fn, _ = blk.full_fn(bs, hist, cands)
     step = StaticStep(blk, plan, bs, hist - cached, cands)
     full_graph = _graph(full_fn)
-    walls = {"cached (graphs per layer)": _time_ms(step.run, 20), "full (graph)": _time_ms(full_graph, 10)}
+    walls = {"cached (graph)": _time_ms(step.run, 20), "full (graph)": _time_ms(full_graph, 10)}
 for name, fn in (("cached (graphs)", step.run), ("cached (eager)", cached_fn), ("full (graph)", full_graph)):
     times, counts = kernels(fn)
     total = sum(times.values())

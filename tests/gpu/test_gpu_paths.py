@@ -245,8 +245,9 @@ def test_cuda_graphs_replay_the_eager_cached_step():
 
 
 def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
-    """A step whose pages come up from the host tier replays the per-layer graphs, each after its
-    layer's onboard wait (no other step waits for them), and scores what the eager step scores."""
+    """A step whose pages come up from the host tier replays the layer segments, each layer's
+    onboard wait between its projection and its append (no other step waits for them), and scores
+    what the eager step scores."""
     from tests.modules.helpers import tiny_cache, tiny_model
 
     model = tiny_model(0, head_dim=16).to("cuda", torch.bfloat16)
@@ -259,7 +260,9 @@ def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
                                                 evict_between=True)
     assert worst <= 1e-2, worst
     assert onboarding == 3 and graphs.layered_replays == 3 and graphs.replays == 4
-    assert graphs.captures == 2  # the whole step (first visit), then per layer
+    assert graphs.captures == 2  # the whole step (first visit), then in layer segments
+    (bucket,) = graphs._buckets.values()
+    assert len(bucket.layered[0]) == len(model.layers) + 1
 
 
 def test_host_built_layout_moved_in_one_copy_equals_the_device_built_one():
