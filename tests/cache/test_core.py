@@ -1,7 +1,7 @@
 """The C++ cache core (torch.classes.gr_kv_core) against the Python semantics it replaced.
 
-`RefCore` is the policy as the Python manager implemented it before the core moved to C++ (FIFO
-pool with readers and zombies, OrderedDict LRU, prefix-hash matching with python-xxhash, eviction
+`RefCore` is the policy as the Python manager implemented it before the core moved to C++ (a pool
+with readers and zombies, whose free pages are now runs as in `ExtentAllocator`, OrderedDict LRU, prefix-hash matching with python-xxhash, eviction
 in `_make_room` order). Random sequences of lookup / allocate / commit / abort / evict / offload
 pins / namespace switches run on both; page ids, eviction order, plans and metadata must agree
 exactly, and `check()` must hold after every step. Bad input raises ValueError naming the value
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 
 import pytest
 import torch
@@ -91,20 +91,23 @@ def test_metadata_field_order_is_shared():
 
 
 # --------------------------------------------------------------------------------- page pool
-def test_pool_fifo_ids_readers_and_zombies():
+def test_pool_runs_readers_and_zombies():
     pool = PagePool(6)
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.allocate(4) is None and pool.num_free == 3  # nothing taken
     pool.add_readers([1, 1, 2])
     pool.free([2, 0, 1])
-    assert pool._free == [3, 4, 5, 0] and pool.num_zombies == 2
+    assert pool._free == [0, 3, 4, 5] and pool.num_zombies == 2
     pool.check([])
     pool.remove_readers([1])  # one reader left on page 1
     assert pool.num_zombies == 2 and pool.is_read(1)
+    assert pool.allocate(2) == [3, 4]  # the first run that fits whole, not page 0 and page 3
     pool.remove_readers([2, 1])
-    assert pool._free == [3, 4, 5, 0, 2, 1] and pool.num_zombies == 0
-    assert pool.allocate(6) == [3, 4, 5, 0, 2, 1]
+    assert pool._free == [0, 1, 2, 5] and pool.num_zombies == 0
+    assert pool.allocate(4) == [0, 1, 2, 5]  # no run fits: pieces of the lowest runs
     pool.check([0, 1, 2, 3, 4, 5])
+    pool.free([4, 3, 1])  # freed pages merge with free neighbours: 1 alone, 3..4 one run
+    assert pool.allocate(2) == [3, 4] and pool._free == [1]
 
 
 def test_pool_bad_input_raises_and_changes_nothing():
@@ -133,12 +136,51 @@ def test_pool_bad_input_raises_and_changes_nothing():
 
 
 # --------------------------------------------------------------------------------- reference
+class RefRuns:
+    """Free pages as sorted ``[start, length]`` runs (kv_core.h's ``ExtentAllocator``): `take`
+    returns one run when one of the first 64 fits, else pieces of the lowest runs; `release`
+    merges freed pages with their free neighbours."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.runs = [[0, num_pages]] if num_pages else []
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def __iter__(self):
+        return (p for s, n in self.runs for p in range(s, s + n))
+
+    def take(self, n: int) -> list[int]:
+        for i, (s, length) in enumerate(self.runs[:64]):
+            if length >= n:
+                self.runs[i : i + 1] = [[s + n, length - n]] if length > n else []
+                return list(range(s, s + n))
+        out: list[int] = []
+        while len(out) < n:
+            s, length = self.runs[0]
+            k = min(length, n - len(out))
+            out += range(s, s + k)
+            self.runs[0:1] = [[s + k, length - k]] if length > k else []
+        return out
+
+    def release(self, pages: list[int]) -> None:
+        free = sorted([*self, *pages])
+        assert len(set(free)) == len(free), "a page freed twice"
+        self.runs = []
+        for p in free:
+            if self.runs and p == self.runs[-1][0] + self.runs[-1][1]:
+                self.runs[-1][1] += 1
+            else:
+                self.runs.append([p, 1])
+
+
 class RefCore:
-    """The pre-C++ Python policy (manager.py / page_pool.py at e112ebf), minus tiers and copies."""
+    """The pre-C++ Python policy (manager.py / page_pool.py at e112ebf), minus tiers and copies;
+    free pages are runs (`RefRuns`), as the C++ pool's are since the FIFO queue was replaced."""
 
     def __init__(self, num_pages: int, page_size: int, namespace: str = "test") -> None:
         self.num_pages, self.P = num_pages, page_size
-        self.free = deque(range(num_pages))
+        self.free = RefRuns(num_pages)
         self.readers: Counter[int] = Counter()
         self.zombies: set[int] = set()
         self.entries: OrderedDict = OrderedDict()
@@ -155,20 +197,24 @@ class RefCore:
         return self.clock
 
     def pool_free(self, pages):
+        now = []
         for p in pages:
             if self.readers[p]:
                 self.zombies.add(p)
             else:
-                self.free.append(p)
+                now.append(p)
+        self.free.release(now)
 
     def remove_readers(self, pages):
+        now = []
         for p in pages:
             self.readers[p] -= 1
             if not self.readers[p]:
                 del self.readers[p]
                 if p in self.zombies:
                     self.zombies.discard(p)
-                    self.free.append(p)
+                    now.append(p)
+        self.free.release(now)
 
     def lookup(self, users, offsets, tokens):
         dev, ver = [], []
@@ -231,7 +277,7 @@ class RefCore:
         ok, evicted = self.make_room(demand, set(keys))
         if not ok:
             return NO_FIT, -1, None
-        fresh_all = [self.free.popleft() for _ in range(demand)]
+        fresh_all = self.free.take(demand)
         lists, fresh_lists, pos = [], [], 0
         for b, k in enumerate(keys):
             e = self.entries.get(k)
@@ -284,7 +330,7 @@ class RefCore:
 
 
 def snapshot(core, namespaces):
-    """Everything observable about a core: free queue, zombies, LRU per namespace, entries."""
+    """Everything observable about a core: free pages, zombies, LRU per namespace, entries."""
     pool = core.pool()
     out = [pool.free_pages(), pool.num_zombies(), core.plan_ids(), core.num_entries()]
     for ns_id in namespaces:
@@ -480,7 +526,7 @@ def test_exact_page_ids_and_lru_eviction_order():
     assert core.lru_order(0) == [2, 3, 1]
     status, _, _, info = _step(core, [4], [_hist(4, 16)])  # 2 free: evicts user 2 only
     assert status == OK and info[1:3] == [1, 2] and core.lru_order(0) == [3, 1, 4]
-    assert core.entry(0, 4)[1].tolist() == [6, 7, 2, 3]
+    assert core.entry(0, 4)[1].tolist() == [2, 3, 6, 7]  # no free run of 4: the lowest runs
     # user 3 (LRU) grows by 4 pages: evicting 3 itself is not allowed -> 1 then 4 go
     status, _, dev, info = _step(core, [3], [_hist(3, 24)])
     assert dev == [8] and info[1:3] == [2, 6] and core.lru_order(0) == [3]

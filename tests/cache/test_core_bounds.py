@@ -55,7 +55,7 @@ def test_allocate_length_overflow_leaves_the_core_unchanged():
 
 def test_core_pool_handle_cannot_free_a_users_pages():
     # CacheCore.pool() hands out the core's own pool, mutable: free() accepts any page in use,
-    # including pages a user owns, which then go back to the free queue while still owned.
+    # including pages a user owns, which are then free while still owned.
     c = _core()
     _, plan_id, _, _ = c.allocate([1], [8], [0], [-1], [0])
     c.commit_rows(plan_id, [0, 8], torch.arange(8))

@@ -17,7 +17,7 @@ def test_first_visit_misses_then_returning_user_hits_with_exact_pages():
     m = make()
     lk, plan = run_step(m, [7], [history_tokens(7, 10)])
     assert lk.cached_tokens == [0] and plan.new_lengths == [10]
-    assert m.pages_of(7) == [0, 1, 2]  # FIFO free queue: deterministic ids
+    assert m.pages_of(7) == [0, 1, 2]  # the lowest free run: deterministic ids
     lk, plan = run_step(m, [7], [history_tokens(7, 13)])
     assert lk.device_tokens == [10] and plan.cached_lengths == [10] and plan.new_lengths == [3]
     # the partial tail page 2 is reused in place; one new page

@@ -160,7 +160,7 @@ def test_export_keeps_the_stateful_ops():
         assert any(op in t for t in targets), targets
     functional = ep.run_decompositions()
     assert "state" in functional.graph_signature.user_inputs_to_mutate.values()
-    twin, _ = _visited()  # NOTE: aborted pages go to the back of the free queue: compare on a twin cache
+    twin, _ = _visited()  # NOTE: the abort changed the free pages: compare on a twin cache
     want, got = Step()(state, *req), ep.module()(twin, *req)
     assert got[1].numel() > 0 and got[0].tolist() == [6, 9]
     for a, b in zip(got, want):

@@ -1,4 +1,4 @@
-// The host tier's bookkeeping: free-slot runs (ExtentAllocator) and per-user published prefixes,
+// The host tier's bookkeeping: per-user published prefixes (in ExtentAllocator's free runs),
 // reservations, pins and LRU (HostCore). Semantics in kv_core.h and docs/ARCHITECTURE.md.
 #include <algorithm>
 #include <iterator>
@@ -15,100 +15,7 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-constexpr int kScanRuns = 64;  // runs looked at for one that fits whole
-
 }  // namespace
-
-// ------------------------------------------------------------------------------ ExtentAllocator
-ExtentAllocator::ExtentAllocator(int64_t num_slots) : num_slots_(num_slots), num_free_(num_slots) {
-  if (num_slots < 0) throw std::invalid_argument("negative slot count " + str(num_slots));
-  if (num_slots > 0) runs_.emplace(0, num_slots);
-}
-
-void ExtentAllocator::take(std::map<int64_t, int64_t>::iterator it, int64_t n) {
-  const int64_t start = it->first, length = it->second;
-  runs_.erase(it);
-  if (length > n) runs_.emplace(start + n, length - n);
-  num_free_ -= n;
-}
-
-bool ExtentAllocator::alloc(int64_t n, std::vector<int64_t>* out) {
-  if (n < 0) throw std::invalid_argument("negative slot count " + str(n));
-  if (n > num_free_) return false;
-  if (n == 0) return true;
-  int scanned = 0;
-  for (auto it = runs_.begin(); it != runs_.end() && scanned < kScanRuns; ++it, ++scanned) {
-    if (it->second >= n) {
-      const int64_t start = it->first;
-      take(it, n);
-      for (int64_t s = start; s < start + n; ++s) out->push_back(s);
-      return true;
-    }
-  }
-  int64_t got = 0;
-  while (got < n) {
-    auto it = runs_.begin();
-    const int64_t start = it->first, k = std::min(it->second, n - got);
-    take(it, k);
-    for (int64_t s = start; s < start + k; ++s) out->push_back(s);
-    got += k;
-  }
-  return true;
-}
-
-void ExtentAllocator::check_free(int64_t start, int64_t n) const {
-  if (start < 0 || n < 0 || start > num_slots_ - n) {  // NOTE: not start + n: it can overflow
-    throw std::logic_error("host slots " + str(start) + ".." + str(start + n) + " out of range");
-  }
-  auto next = runs_.lower_bound(start);
-  const bool overlaps_next = next != runs_.end() && next->first < start + n;
-  const bool overlaps_prev = next != runs_.begin() && std::prev(next)->first + std::prev(next)->second > start;
-  if (overlaps_next || overlaps_prev) {
-    throw std::logic_error("host slots " + str(start) + ".." + str(start + n) + " freed twice");
-  }
-}
-
-void ExtentAllocator::insert(int64_t start, int64_t n) {
-  auto next = runs_.lower_bound(start);
-  num_free_ += n;
-  if (next != runs_.end() && next->first == start + n) {  // merge with the next run
-    n += next->second;
-    next = runs_.erase(next);
-  }
-  if (next != runs_.begin()) {  // merge with the previous run
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == start) {
-      prev->second += n;
-      return;
-    }
-  }
-  runs_.emplace(start, n);
-}
-
-void ExtentAllocator::free(std::vector<int64_t> slots) {
-  std::sort(slots.begin(), slots.end());
-  std::vector<std::pair<int64_t, int64_t>> runs;  // (start, length)
-  for (int64_t s : slots) {
-    if (!runs.empty() && s == runs.back().first + runs.back().second) {
-      runs.back().second += 1;
-    } else if (!runs.empty() && s < runs.back().first + runs.back().second) {
-      throw std::logic_error("host slot " + str(s) + " freed twice in one call");
-    } else {
-      runs.emplace_back(s, 1);
-    }
-  }
-  for (const auto& [start, n] : runs) check_free(start, n);  // all checks first: a bad free changes nothing
-  for (const auto& [start, n] : runs) insert(start, n);
-}
-
-std::vector<int64_t> ExtentAllocator::free_slots() const {
-  std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(num_free_));
-  for (const auto& [start, length] : runs_) {
-    for (int64_t s = start; s < start + length; ++s) out.push_back(s);
-  }
-  return out;
-}
 
 // ------------------------------------------------------------------------------------- HostCore
 int64_t HostCore::Entry::held() const {

@@ -1,6 +1,6 @@
 // The cache policy core of gr_plugin, in plain C++17 (no torch, no Python).
 //
-// Owns the device page pool (FIFO free queue, reader counts, zombie pages), the device user
+// Owns the device page pool (free runs, reader counts, zombie pages), the device user
 // directory (per user: pages, cached token count, 128-bit prefix hashes; LRU order over users;
 // in-plan / in-offload pins), longest-matching-prefix lookup, eviction to make room for a batch,
 // in-flight plans, commit / abort, and the CSR metadata of a batch. It does not own K/V bytes,
@@ -57,24 +57,48 @@ class StreamHasher {
   int64_t num_tokens_ = 0;
 };
 
+// ---------------------------------------------------------------------------------- free runs
+// Free slots (device pages, host slots) as sorted runs; an allocation takes one run of
+// consecutive slots whenever one of the first 64 runs fits (so a user's pages copy as one transfer
+// per layer), else pieces of the lowest runs. Freed slots merge with their free neighbours.
+class ExtentAllocator {
+ public:
+  explicit ExtentAllocator(int64_t num_slots);
+  int64_t num_slots() const { return num_slots_; }
+  int64_t num_free() const { return num_free_; }
+  bool alloc(int64_t n, std::vector<int64_t>* out);  // false (nothing taken) if fewer are free
+  // Throws std::logic_error (nothing freed) on a double free or a slot out of range.
+  void free(std::vector<int64_t> slots);
+  std::vector<int64_t> free_slots() const;            // ascending
+
+ private:
+  void take(std::map<int64_t, int64_t>::iterator it, int64_t n);
+  void check_free(int64_t start, int64_t n) const;
+  void insert(int64_t start, int64_t n);
+  std::map<int64_t, int64_t> runs_;  // first slot -> length
+  int64_t num_slots_, num_free_;
+};
+
 // ----------------------------------------------------------------------------------- page pool
-// Which device pages are free, owned, or zombies (freed while a copy still reads them; back in
-// the queue when the last reader is done). FIFO, so a freed page is reused as late as possible
-// and page ids are deterministic. Ownership by users is the directory's business.
+// Which device pages are free, owned, or zombies (freed while a copy still reads them; free again
+// when the last reader is done). Free pages are runs (`ExtentAllocator`): a batch's new pages are
+// consecutive whenever a free run fits them, so a user's pages onboard and offload as one copy per
+// layer, and page ids are deterministic. Ownership by users is the directory's business.
 class PagePool {
  public:
   explicit PagePool(int64_t num_pages);
   int64_t num_pages() const { return static_cast<int64_t>(state_.size()); }
-  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_free() const { return free_.num_free(); }
   int64_t num_zombies() const { return num_zombies_; }
-  // Appends `n` free pages in queue order to `out`; false (nothing taken) if fewer are free.
+  // Appends `n` free pages to `out` (one run when a free run fits, `ExtentAllocator`); false
+  // (nothing taken) if fewer are free.
   bool allocate(int64_t n, std::vector<int64_t>* out);
   // Each page must be in use (allocated, not yet freed) and appear once.
   void free(const int64_t* pages, size_t n);
   void add_readers(const int64_t* pages, size_t n);     // pages in use; repeats count twice
   void remove_readers(const int64_t* pages, size_t n);  // each removal needs a reader
   bool is_read(int64_t page) const;
-  std::vector<int64_t> free_pages() const;  // in queue order
+  std::vector<int64_t> free_pages() const;  // ascending
   // "" when every page is exactly one of free / zombie / in `owned` (which lists the pages in
   // use), else what is wrong.
   std::string check(const std::vector<int64_t>& owned) const;
@@ -82,7 +106,7 @@ class PagePool {
  private:
   enum State : uint8_t { kFree = 0, kUsed = 1, kZombie = 2 };
   void check_page(int64_t page, const char* what) const;
-  std::deque<int64_t> free_;
+  ExtentAllocator free_;
   std::vector<uint8_t> state_;
   std::vector<int32_t> readers_;
   int64_t num_zombies_ = 0;
@@ -278,27 +302,6 @@ class CacheCore {
 };
 
 // ----------------------------------------------------------------------------------- host tier
-// Free host slots as sorted runs; a reservation takes one run of consecutive slots whenever one of
-// the first 64 runs fits (so a user's pages copy as one transfer per layer), else pieces of the
-// lowest runs. Freed slots merge with their free neighbours.
-class ExtentAllocator {
- public:
-  explicit ExtentAllocator(int64_t num_slots);
-  int64_t num_slots() const { return num_slots_; }
-  int64_t num_free() const { return num_free_; }
-  bool alloc(int64_t n, std::vector<int64_t>* out);  // false (nothing taken) if fewer are free
-  // Throws std::logic_error (nothing freed) on a double free or a slot out of range.
-  void free(std::vector<int64_t> slots);
-  std::vector<int64_t> free_slots() const;            // ascending
-
- private:
-  void take(std::map<int64_t, int64_t>::iterator it, int64_t n);
-  void check_free(int64_t start, int64_t n) const;
-  void insert(int64_t start, int64_t n);
-  std::map<int64_t, int64_t> runs_;  // first slot -> length
-  int64_t num_slots_, num_free_;
-};
-
 // The pinned host tier's bookkeeping (the `native` backend's policy; gr_plugin/cache/host_tier.py
 // is a thin layer over it): per user a contiguous prefix of full pages in host slots, each with its
 // prefix hash; writes are reserved, copied by the caller, then published in reservation order (a

@@ -1,5 +1,5 @@
 // A tiny test of the plain C++ core, linked without torch or Python (what a C++ runner does):
-// FIFO page ids, zombies, a miss then a hit, LRU eviction order, bad input, the host tier's slots and
+// Page ids (free runs), zombies, a miss then a hit, LRU eviction order, bad input, the host tier's slots and
 // reservations, and (with libxxhash) digests equal to python-xxhash's. The thorough tests are tests/cache/test_core.py.
 #include <cstdio>
 #include <cstdlib>
@@ -65,7 +65,7 @@ void test_pool() {
   pool.add_readers(read, 1);
   const int64_t freed[] = {1, 0};
   pool.free(freed, 2);
-  EXPECT(pool.num_zombies() == 1 && pool.free_pages() == (std::vector<int64_t>{3, 0}));
+  EXPECT(pool.num_zombies() == 1 && pool.free_pages() == (std::vector<int64_t>{0, 3}));
   bool threw = false;
   try {
     pool.free(freed, 1);  // page 1 is a zombie already
@@ -74,8 +74,10 @@ void test_pool() {
   }
   EXPECT(threw && pool.num_zombies() == 1);
   pool.remove_readers(read, 1);
-  EXPECT(pool.num_zombies() == 0 && pool.free_pages() == (std::vector<int64_t>{3, 0, 1}));
+  EXPECT(pool.num_zombies() == 0 && pool.free_pages() == (std::vector<int64_t>{0, 1, 3}));
   EXPECT(pool.check({2}).empty() && !pool.check({}).empty());
+  got.clear();  // a run that fits whole (0..1) before pieces
+  EXPECT(pool.allocate(2, &got) && got == (std::vector<int64_t>{0, 1}));
 }
 
 void test_directory() {
@@ -88,7 +90,7 @@ void test_directory() {
   EXPECT(core.lru_order(0) == (std::vector<int64_t>{2, 3, 1}));
   step(core, 4, history(4, 16, P), P);  // needs 4 pages, 2 free: evicts user 2 only
   EXPECT(core.lru_order(0) == (std::vector<int64_t>{3, 1, 4}));
-  EXPECT(*core.entry(0, 4).pages == (std::vector<int64_t>{6, 7, 2, 3}));
+  EXPECT(*core.entry(0, 4).pages == (std::vector<int64_t>{2, 3, 6, 7}));  // no free run of 4: the lowest runs
   AllocResult r = core.allocate({5}, {40}, {0}, {-1}, {0});
   EXPECT(r.status == AllocStatus::kTooBig && core.check().empty());
   bool threw = false;
