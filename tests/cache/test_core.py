@@ -2,10 +2,11 @@
 
 `RefCore` is the policy as the Python manager implemented it before the core moved to C++ (a pool
 with readers and zombies, its free pages now runs as in `ExtentAllocator`; OrderedDict LRU,
-prefix-hash matching with python-xxhash, eviction in `_make_room` order). Random sequences of lookup / allocate / commit / abort / evict / offload
-pins / namespace switches run on both; page ids, eviction order, plans and metadata must agree
-exactly, and `check()` must hold after every step. Bad input raises ValueError naming the value
-and changes nothing. C++ digests equal python-xxhash digests.
+prefix-hash matching with python-xxhash, eviction in `_make_room` order). Random sequences of
+lookup / allocate / commit / abort / evict / offload pins / namespace switches run on both; page
+ids, eviction order, plans and metadata must agree exactly, and `check()` must hold after every
+step. Bad input raises ValueError naming the value and changes nothing. C++ digests equal
+python-xxhash digests.
 """
 
 from __future__ import annotations
