@@ -2,6 +2,7 @@
 lands when, is tests/gpu/test_gpu_paths.py::test_raw_onboard_launches_each_layer_when_it_is_waited_for)."""
 
 import pytest
+import torch
 
 from gr_plugin.cache.transfer import TransferError, _LazyCudaHandle
 
@@ -26,14 +27,49 @@ def issuer(log: list, fail_at: int | None = None):
     return issue
 
 
-def test_layer_zero_at_once_the_rest_when_everything_is_asked_for():
+def test_layers_zero_and_one_at_once_the_rest_when_everything_is_asked_for():
     log: list = []
     handle = _LazyCudaHandle(issuer(log), 4, 10)
-    assert log == [("issue", 0)] and handle.num_layers == 4 and handle.num_pages == 10
+    assert log == [("issue", 0), ("issue", 1)] and handle.num_layers == 4 and handle.num_pages == 10
     assert handle.done()  # done() launches every layer before it answers
     assert log == [("issue", 0), ("issue", 1), ("issue", 2), ("issue", 3)]
     handle.wait()  # waits on the last layer's event; nothing launched twice
     assert log[-1] == ("sync", 3) and [e for e in log if e[0] == "issue"] == log[:4]
+
+
+class Stream:
+    """The caller's stream: records which layer's event it was made to wait for."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait_event(self, event: Event) -> None:
+        self.log.append(("wait", event.layer))
+
+
+def test_each_wait_launches_one_layer_ahead(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream(log))
+    handle = _LazyCudaHandle(issuer(log), 4, 1)
+    handle.wait_layer(0)
+    assert log == [("issue", 0), ("issue", 1), ("wait", 0)]  # layer 1 was queued behind layer 0
+    handle.wait_layer(1)
+    assert log[-2:] == [("wait", 1), ("issue", 2)]  # the wait first, then the next layer's copy
+    handle.wait_layer(3)  # up to 3 (and nothing past the last layer)
+    assert log[-2:] == [("issue", 3), ("wait", 3)]
+    one = _LazyCudaHandle(issuer(log := []), 1, 1)
+    one.wait_layer(0)
+    assert log == [("issue", 0), ("wait", 0)]
+
+
+def test_a_failed_look_ahead_raises_at_the_next_call():
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log, fail_at=1), 3, 1)  # layer 0 went, layer 1 failed
+    assert log == [("issue", 0)]
+    for call in (lambda: handle.wait_layer(0), handle.wait, handle.done):
+        with pytest.raises(TransferError, match="at layer 1"):
+            call()
+    assert log == [("issue", 0)]
 
 
 def test_wait_launches_what_is_left():
@@ -47,7 +83,7 @@ def test_a_failed_launch_is_never_retried():
     log: list = []
     handle = _LazyCudaHandle(issuer(log, fail_at=2), 4, 1)
     with pytest.raises(RuntimeError, match="at layer 2"):
-        handle.launch()
+        handle.launch()  # (layers 0 and 1 went at construction)
     assert log == [("issue", 0), ("issue", 1)]
     for call in (handle.launch, handle.wait, handle.done):
         with pytest.raises(TransferError, match="copy launch failed"):

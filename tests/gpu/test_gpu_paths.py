@@ -96,9 +96,9 @@ def test_raw_page_copies_equal_tensor_copies_and_are_used():
 
 
 def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
-    """A raw onboard copies layer 0 at launch and layer ``i`` at the first wait for it (or a later
-    layer), all of them on ``wait``; a plan committed after waiting for some layers only still gets
-    every layer before its entry is published."""
+    """A raw onboard copies layers 0 and 1 at launch and layer ``i + 1`` at the first wait for layer
+    ``i`` (or a later one), all of them on ``wait``; a plan committed after waiting for some layers
+    only still gets every layer before its entry is published."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(1)
@@ -108,12 +108,14 @@ def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
     dev = torch.zeros(4, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     handle = engine.copy(host, src, dev, dst)
     copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(4)]  # noqa: E731
-    handle.wait_layer(0)
     torch.cuda.synchronize()
-    assert copied() == [True, False, False, False]
-    handle.wait_layer(2)
+    assert copied() == [True, True, False, False]
+    handle.wait_layer(1)
     torch.cuda.synchronize()
     assert copied() == [True, True, True, False]
+    handle.wait_layer(2)
+    torch.cuda.synchronize()
+    assert copied() == [True] * 4
     with pytest.raises(ValueError, match="layer 4 is outside"):
         handle.wait_layer(4)
     handle.wait()
