@@ -223,7 +223,7 @@ class _LazyCudaHandle(_CudaHandle):
         if layer < self.num_layers:
             try:
                 self._upto(layer)
-            except Exception:  # noqa: BLE001 - recorded in self._failed: every later call raises it
+            except Exception:  # recorded in self._failed: every later call raises it
                 logger.debug("an onboard's look-ahead copy launch failed", exc_info=True)
 
     def _upto(self, layer: int) -> None:
