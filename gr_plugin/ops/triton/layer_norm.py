@@ -18,18 +18,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _layer_norm_row(x, ok, W, B, c, eps, N: tl.constexpr):
+    """``LayerNorm`` of one fp32 row ``x`` (``ok`` masks the columns past ``N``), in fp32."""
+    mean = tl.sum(x, axis=0) / N
+    diff = tl.where(ok, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
+    w = tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(B + c, mask=ok, other=0.0).to(tl.float32)
+    return diff * rstd * w + b
+
+
+@triton.jit
 def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
     a = tl.load(A + row * stride_a + c, mask=ok, other=0.0).to(tl.float32)
-    mean = tl.sum(a, axis=0) / N
-    diff = tl.where(ok, a - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
-    w = tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(B + c, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
-    y = (diff * rstd * w + b) * u
+    y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
 
@@ -56,13 +62,8 @@ def _add_ln(X, O, Y, Z, W, B, stride_x, stride_o, stride_y, stride_z, eps, N: tl
     o = tl.load(O + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
     y = (x + o).to(Y.dtype.element_ty)  # the residual stream, rounded as torch's add rounds it
     tl.store(Y + row * stride_y + c, y, mask=ok)
-    yf = y.to(tl.float32)
-    mean = tl.sum(yf, axis=0) / N
-    diff = tl.where(ok, yf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
-    w = tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(B + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Z + row * stride_z + c, (diff * rstd * w + b).to(Z.dtype.element_ty), mask=ok)
+    z = _layer_norm_row(y.to(tl.float32), ok, W, B, c, eps, N)
+    tl.store(Z + row * stride_z + c, z.to(Z.dtype.element_ty), mask=ok)
 
 
 def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
