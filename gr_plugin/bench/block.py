@@ -215,8 +215,12 @@ class StaticStep:
 
         with torch.no_grad():
             # NOTE: each graph has its own pool; the last (captured) call of segment i leaves
-            # projected[i] in that pool, where segment i + 1's graph reads it
-            self.segments = [_graph(lambda i=i: segment(i)) for i in range(layers + 1)]
+            # projected[i] in that pool, where segment i + 1's graph reads it. Segment i is
+            # replayed once before segment i + 1 is warmed up, so the warm-up reads real values.
+            self.segments = []
+            for i in range(layers + 1):
+                self.segments.append(_graph(lambda i=i: segment(i)))
+                self.segments[-1]()
             self.whole = _graph(whole)
 
     def _project(self, i: int):
@@ -343,10 +347,11 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
 
 def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str,
                 raw_copies: bool = True) -> tuple[float, float]:
-    """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the 8
-    layer replays, event; and the median host µs of the onboard launch. ``mode``: ``gpu`` (the pages
-    are on the device), ``host`` (onboarded from the host tier, every layer's pages before the first
-    layer) or ``layerwise`` (layer ``l`` waits only for its own pages). ``raw_copies`` False: the
+    """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the
+    stack's replay (`StaticStep.run`), event; and the median host µs of the onboard launch.
+    ``mode``: ``gpu`` (the pages are on the device) and ``host`` (onboarded from the host tier,
+    every layer's pages before the first layer) replay the whole-stack graph; ``layerwise``
+    replays the layer segments, layer ``l``'s append waiting only for its own pages. ``raw_copies`` False: the
     transfer engine launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``.
     The lookup and allocate before the first event are not timed."""
     m = blk.cache
@@ -416,7 +421,7 @@ def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int 
           candidates: int = 256, repeats: int = 10) -> list[dict[str, Any]]:
     """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor. Each request is
     timed alone from an idle GPU, the same way in all three (`_request_ms`); ``gpu_hit_replays_ms``
-    is the 8 layer replays alone, back to back."""
+    is the whole-stack graph's replay alone, back to back."""
     rows = []
     for tokens in tokens_list:
         rows.append(_tiers_one(tokens, head_dim, page, new, candidates, repeats))

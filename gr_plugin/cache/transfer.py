@@ -197,8 +197,10 @@ class _CudaHandle(CopyHandle):
 class _LazyCudaHandle(_CudaHandle):
     """An onboard whose copies are launched layer by layer as they are needed, one layer ahead:
     layers 0 and 1 at once, layer ``i + 1`` by the first ``wait_layer(j >= i)``, every layer by
-    ``wait``, ``done`` or ``launch``; after a failed launch every call raises `TransferError`
-    (nothing is launched again).
+    ``wait``, ``done`` or ``launch``. A failed launch first waits (host) for whatever this onboard
+    had queued, a failed layer's first runs included (``mark`` records an event after them), so
+    no copy of it is still writing when the error reaches a caller that frees its pages; from
+    then on every call raises `TransferError` and nothing is launched again.
 
     The first layer's copy is what the first layer waits for; launching the other layers' copies
     (a raw copy and an event each) before returning would delay the caller's first kernels by
@@ -210,13 +212,27 @@ class _LazyCudaHandle(_CudaHandle):
     meanwhile calls ``done`` and so launches the rest early: correct, only not lazy.
     """
 
-    def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int) -> None:
+    def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int,
+                 mark: Callable[[], torch.cuda.Event] | None = None) -> None:
         super().__init__([], num_pages, None)
         self.num_layers = num_layers
-        self._issue = issue
+        self._issue, self._mark = issue, mark
         self._failed: BaseException | None = None
         self._upto(0)
         self._ahead(1)
+
+    def _settle(self) -> None:
+        """Block until every copy this onboard queued has run (after a failed launch)."""
+        try:
+            tail = self._mark() if self._mark is not None else None
+        except Exception:  # the launched layers' events still cover their copies
+            tail = None
+        tail = tail if tail is not None else (self._events[-1] if self._events else None)
+        if tail is not None:
+            try:
+                tail.synchronize()
+            except Exception:
+                logger.warning("waiting for a failed onboard's queued copies failed", exc_info=True)
 
     def _ahead(self, layer: int) -> None:
         """Launch up to ``layer`` now; a failure is kept for the next call to raise."""
@@ -237,6 +253,7 @@ class _LazyCudaHandle(_CudaHandle):
                     self._events.append(self._issue(len(self._events)))
                 except BaseException as exc:
                     self._failed = exc
+                    self._settle()
                     raise
 
     def launch(self) -> None:
@@ -362,10 +379,13 @@ class CudaTransferEngine(TransferEngine):
             def issue(layer: int) -> torch.cuda.Event:
                 for s0, d0, length in both:
                     raw(layer, s0, d0, length, stream)
+                return mark()
+
+            def mark() -> torch.cuda.Event:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 return ev
-            return _LazyCudaHandle(issue, num_layers, n)
+            return _LazyCudaHandle(issue, num_layers, n, mark)
         caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
             # per-layer views of each run from one slice + unbind

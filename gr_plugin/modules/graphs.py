@@ -83,8 +83,8 @@ class _Bucket:
     normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
     turn: int = 0
     whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
-    # layers + 1 segments (layer i's pages awaited before segment i + 1), logits, the projections
-    layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor, list] | None = None
+    # layers + 1 segments (layer i's pages awaited before segment i + 1), logits
+    layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None
 
     def view(self, name: str) -> torch.Tensor:
         a, b = self.fields[name]
@@ -243,22 +243,25 @@ class CachedStackGraphs:
                 # NOTE: segment i ends with layer i's projection and segment i + 1 starts with its
                 # append, so a replay waits for layer i's pages between the two, as the eager step
                 # does (`KVCacheModule.forward`): the projection runs while the pages are copied.
-                # The projections cross graphs: the bucket keeps them (the pool must not reuse them).
-                graphs, held = [], []
+                # A projection crosses one graph boundary: it is held until the next segment is
+                # captured, then dropped, so the pool may reuse its memory in later segments (they
+                # replay after the one that reads it, on the same stream), not kept per layer.
+                graphs, projected = [], None
                 for i in range(layers + 1):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self._pool):
                         if i == 0:
                             self._embed(b)
                         else:
-                            self._attend(b, i - 1, held[-1])
+                            self._attend(b, i - 1, projected)
                         if i < layers:
-                            held.append(self._project(b, i))
+                            following = self._project(b, i)
                         else:
                             logits = self._head(b)
                     self._pool = g.pool() if self._pool is None else self._pool
                     graphs.append(g)
-                b.layered = (graphs, logits, held)
+                    projected = following if i < layers else None
+                b.layered = (graphs, logits)
             else:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool):
@@ -270,7 +273,7 @@ class CachedStackGraphs:
                 b.whole = (g, logits)
         self.captures += 1
         logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q),
-                    "per layer" if layered else "whole")
+                    "in layer segments" if layered else "whole")
 
     def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
         """The step's candidate logits ``[sum C, num_tasks]`` (a fresh tensor), or None when it
@@ -321,7 +324,7 @@ class CachedStackGraphs:
                     self._failed.add(key)
                     return None
             if layered:
-                graphs, logits, _ = b.layered
+                graphs, logits = b.layered
                 graphs[0].replay()
                 for i, g in enumerate(graphs[1:]):
                     self.cache.manager.wait_layer(plan, i)

@@ -111,6 +111,35 @@ def test_pool_runs_readers_and_zombies():
     assert pool.allocate(2) == [3, 4] and pool._free == [1]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pool_runs_match_the_reference_past_the_scan_limit(seed):
+    """Hundreds of free runs (more than the 64 an allocation scans for one that fits whole), then
+    random allocations and frees: the C++ pool hands out exactly `RefRuns`' pages."""
+    rng = random.Random(seed)
+    pool, ref = PagePool(600), RefRuns(600)
+    singles = pool.allocate(600)
+    assert singles == ref.take(600) == list(range(600))
+    for pages in (singles[1::2], singles[::4]):  # 300 runs of one page, then some of three
+        pool.free(pages)
+        ref.release(pages)
+    held = [[p] for p in singles[2::4]]
+    assert len(ref.runs) > 64 and pool._free == list(ref)
+    for _ in range(400):
+        if held and rng.random() < 0.45:
+            pages = held.pop(rng.randrange(len(held)))
+            rng.shuffle(pages)
+            pool.free(pages)
+            ref.release(pages)
+        else:
+            n = rng.randint(1, 9)
+            got = pool.allocate(n)
+            assert got == (ref.take(n) if n <= len(ref) else None)
+            if got:
+                held.append(got)
+        assert pool._free == list(ref) and pool.num_free == len(ref)
+    pool.check([p for h in held for p in h])
+
+
 def test_pool_bad_input_raises_and_changes_nothing():
     pool = PagePool(4)
     pool.allocate(2)

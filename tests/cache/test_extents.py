@@ -1,4 +1,5 @@
-"""The host tier's free-slot runs (C++ ``ExtentAllocator``, gr_plugin/csrc/core/host_core.cpp)."""
+"""Free-slot runs (C++ ``ExtentAllocator``, gr_plugin/csrc/core/page_pool.cpp): the host tier's slots and
+the device pool's pages."""
 
 import pytest
 import torch

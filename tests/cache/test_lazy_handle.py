@@ -62,16 +62,6 @@ def test_each_wait_launches_one_layer_ahead(monkeypatch):
     assert log == [("issue", 0), ("wait", 0)]
 
 
-def test_a_failed_look_ahead_raises_at_the_next_call():
-    log: list = []
-    handle = _LazyCudaHandle(issuer(log, fail_at=1), 3, 1)  # layer 0 went, layer 1 failed
-    assert log == [("issue", 0)]
-    for call in (lambda: handle.wait_layer(0), handle.wait, handle.done):
-        with pytest.raises(TransferError, match="at layer 1"):
-            call()
-    assert log == [("issue", 0)]
-
-
 def test_wait_launches_what_is_left():
     log: list = []
     handle = _LazyCudaHandle(issuer(log), 3, 1)
@@ -79,18 +69,40 @@ def test_wait_launches_what_is_left():
     assert log == [("issue", 0), ("issue", 1), ("issue", 2), ("sync", 2)]
 
 
+def test_a_failed_look_ahead_waits_for_what_went_and_raises_at_the_next_call():
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log, fail_at=1), 3, 1)  # layer 0 went, layer 1 failed
+    assert log == [("issue", 0), ("sync", 0)]  # layer 0's copy has run before anything can free its pages
+    for call in (lambda: handle.wait_layer(0), handle.wait, handle.done):
+        with pytest.raises(TransferError, match="at layer 1"):
+            call()
+    assert log == [("issue", 0), ("sync", 0)]  # nothing launched or waited for again
+
+
 def test_a_failed_launch_is_never_retried():
     log: list = []
     handle = _LazyCudaHandle(issuer(log, fail_at=2), 4, 1)
     with pytest.raises(RuntimeError, match="at layer 2"):
         handle.launch()  # (layers 0 and 1 went at construction)
-    assert log == [("issue", 0), ("issue", 1)]
+    assert log == [("issue", 0), ("issue", 1), ("sync", 1)]
     for call in (handle.launch, handle.wait, handle.done):
         with pytest.raises(TransferError, match="copy launch failed"):
             call()
-    assert log == [("issue", 0), ("issue", 1)]
+    assert log == [("issue", 0), ("issue", 1), ("sync", 1)]
+
+
+def test_a_layer_that_fails_partway_is_waited_for_through_the_mark():
+    """A layer whose launch failed after some of its runs were queued: ``mark`` records an event
+    behind them, and that is what the handle waits for."""
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log, fail_at=1), 2, 1, mark=lambda: Event("mark", log))
+    assert log == [("issue", 0), ("sync", "mark")]
+    with pytest.raises(TransferError):
+        handle.wait()
 
 
 def test_a_failed_first_launch_raises_from_the_constructor():
+    log: list = []
     with pytest.raises(RuntimeError, match="at layer 0"):
-        _LazyCudaHandle(issuer([], fail_at=0), 2, 1)
+        _LazyCudaHandle(issuer(log, fail_at=0), 2, 1)
+    assert log == []  # nothing was queued, nothing to wait for
