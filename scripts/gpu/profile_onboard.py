@@ -4,19 +4,24 @@ python3 scripts/gpu/profile_onboard.py [tokens]   (default 2048)
 
 The tiers bench's bs-1 setup (head_dim 128, page 128, 8 layers, every cached page in the host tier):
 50 onboard launches under cProfile (each after an evict + plan, followed by a sync, abort and
-flush, which are not profiled), then the top functions by own time and by cumulative time.
+flush, which are not profiled), then the top functions by own time and by cumulative time; then
+50 launches without the profiler, with checkpoints (perf_counter at the entry and exit of the
+transfer engine's copy, its fence and each raw cudaMemcpyAsync): the median µs from the call
+to each checkpoint, so the host time before the first copy is queued reads directly.
 """
 
 from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 
 import torch
 
 from gr_plugin.bench.block import Block
+from gr_plugin.cache import cudart
 
 
 def main(tokens: int) -> None:
@@ -46,7 +51,48 @@ def main(tokens: int) -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(18)
     stats.sort_stats("cumulative").print_stats(18)
+    checkpoints(blk, tokens)
     m.close()
+
+
+def checkpoints(blk: Block, tokens: int, runs: int = 50) -> None:
+    m, rt = blk.cache, cudart.runtime()
+    marks: list[tuple[str, float]] = []
+
+    def wrap(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            marks.append((f"{label} in", time.perf_counter()))
+            try:
+                return fn(*a, **k)
+            finally:
+                marks.append((f"{label} out", time.perf_counter()))
+        setattr(obj, name, timed)
+
+    wrap(m.transfer, "copy", "engine.copy")
+    wrap(m.transfer, "_fence", "fence")
+    wrap(rt, "memcpy_async", "memcpy")
+    rows: dict[str, list[float]] = {}
+    for i in range(runs + 5):
+        m.evict([1])
+        plan = blk.plan([1], tokens)
+        torch.cuda.synchronize()
+        marks.clear()
+        t0 = time.perf_counter()
+        m.onboard_launch(plan)
+        marks.append(("return", time.perf_counter()))
+        torch.cuda.synchronize()
+        m.abort(plan)
+        m.offload_flush()
+        if i >= 5:
+            seen: dict[str, int] = {}
+            for label, t in marks:
+                seen[label] = seen.get(label, 0) + 1
+                rows.setdefault(f"{label} #{seen[label]}", []).append((t - t0) * 1e6)
+    print("checkpoints: median us from the call (unprofiled)")
+    for label, ts in sorted(rows.items(), key=lambda kv: statistics.median(kv[1])):
+        print(f"  {statistics.median(ts):7.1f}  {label}")
 
 
 if __name__ == "__main__":
