@@ -17,6 +17,11 @@ constexpr int kScanRuns = 64;  // runs looked at for one that fits whole
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+int64_t checked_pages(int64_t num_pages) {
+  if (num_pages < 0) throw std::invalid_argument("num_pages must be >= 0, got " + str(num_pages));
+  return num_pages;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------ ExtentAllocator
@@ -110,14 +115,7 @@ std::vector<int64_t> ExtentAllocator::free_slots() const {
   return out;
 }
 
-
-namespace {
-int64_t checked_pages(int64_t num_pages) {
-  if (num_pages < 0) throw std::invalid_argument("num_pages must be >= 0, got " + std::to_string(num_pages));
-  return num_pages;
-}
-}  // namespace
-
+// -------------------------------------------------------------------------------------- PagePool
 PagePool::PagePool(int64_t num_pages) : free_(checked_pages(num_pages)) {
   state_.assign(static_cast<size_t>(num_pages), kFree);
   readers_.assign(static_cast<size_t>(num_pages), 0);
