@@ -351,9 +351,9 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
     stack's replay (`StaticStep.run`), event; and the median host µs of the onboard launch.
     ``mode``: ``gpu`` (the pages are on the device) and ``host`` (onboarded from the host tier,
     every layer's pages before the first layer) replay the whole-stack graph; ``layerwise``
-    replays the layer segments, layer ``l``'s append waiting only for its own pages. ``raw_copies`` False: the
-    transfer engine launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``.
-    The lookup and allocate before the first event are not timed."""
+    replays the layer segments, layer ``l``'s append waiting only for its own pages.
+    ``raw_copies`` False: the transfer engine launches its copies through ``Tensor.copy_`` instead
+    of raw ``cudaMemcpyAsync``. The lookup and allocate before the first event are not timed."""
     m = blk.cache
     page = m.config.page_size
     times, launch = [], []

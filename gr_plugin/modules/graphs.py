@@ -9,9 +9,9 @@ metadata, append slots) are packed on the host, from the host layout and the pla
 copy, so a replayed step costs the host one copy and one graph launch. A step whose plan onboards
 pages from a lower tier replays the bucket's layer segments instead (one graph from each layer's
 append to the next layer's projection; embeddings in the first, the head in the last), with each
-layer's onboard wait between its projection and its append, as in the eager step. Inputs that vary inside a
-bucket (history lengths, pages) are read by the kernels from device tensors, so replays compute
-exactly what the eager step computes.
+layer's onboard wait between its projection and its append, as in the eager step. Inputs that
+vary inside a bucket (history lengths, pages) are read by the kernels from device tensors, so
+replays compute exactly what the eager step computes.
 """
 
 from __future__ import annotations
