@@ -16,6 +16,7 @@ replays compute exactly what the eager step computes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
@@ -82,6 +83,7 @@ class _Bucket:
     ys: list[torch.Tensor]  # the residual stream: layer i reads ys[i], writes ys[i + 1]
     normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
     turn: int = 0
+    last_used: int = 0  # the engine's step count when it last ran
     whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
     # layers + 1 segments (layer i's pages awaited before segment i + 1), logits
     layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None
@@ -102,11 +104,18 @@ class CachedStackGraphs:
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
                  token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
-                 q_quantum: int = Q_QUANTUM) -> None:
+                 q_quantum: int = Q_QUANTUM, idle_steps: int | None = None) -> None:
+        if max_buckets < 1 or capture_after < 1:
+            raise ValueError(f"max_buckets and capture_after must be >= 1, got {max_buckets} and {capture_after}")
         self.model, self.cache, self.max_buckets = model, cache, max_buckets
         self.capture_after, self.token_quantum, self.new_quantum = capture_after, token_quantum, new_quantum
         self.q_quantum = q_quantum
-        self._buckets: dict[tuple[int, ...], _Bucket] = {}
+        # NOTE: a full set of buckets gives up its least recently used one only when that has been
+        # idle this many steps, so a round of more shapes than max_buckets runs some steps eagerly
+        # instead of capturing on every step (a capture costs far more than an eager step).
+        self.idle_steps = 4 * max_buckets if idle_steps is None else idle_steps
+        self._buckets: collections.OrderedDict[tuple[int, ...], _Bucket] = collections.OrderedDict()  # LRU first
+        self._steps = 0
         self._seen: dict[tuple[int, ...], int] = {}
         self._pool = None
         cfg = cache.config
@@ -117,6 +126,7 @@ class CachedStackGraphs:
         self.captures = 0
         self.replays = 0
         self.layered_replays = 0
+        self.evictions = 0
 
     def supported(self, device: torch.device) -> bool:
         """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels serving attention
@@ -275,11 +285,29 @@ class CachedStackGraphs:
         logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q),
                     "in layer segments" if layered else "whole")
 
+    def _make_room(self) -> bool:
+        """Whether a new bucket may be captured: below ``max_buckets``, or after dropping the least
+        recently used one, if it has been idle ``idle_steps`` steps. Its graphs may still be
+        running: CUDA frees an executable graph when its launches finish, and the pool's memory
+        it held is taken only by later captures, whose replays queue behind it on this stream."""
+        if len(self._buckets) < self.max_buckets:
+            return True
+        key, lru = next(iter(self._buckets.items()))
+        if self._steps - lru.last_used <= self.idle_steps:
+            return False
+        del self._buckets[key]
+        self._seen.pop(key, None)
+        self.evictions += 1
+        logger.info("dropped bucket %s (idle %d steps) for a new shape", key, self._steps - lru.last_used)
+        return True
+
     def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
         """The step's candidate logits ``[sum C, num_tasks]`` (a fresh tensor), or None when it
         runs eagerly: a bucket is captured the ``capture_after``-th time it is seen (a capture
-        costs far more than an eager step), at most ``max_buckets`` of them; a bucket whose capture
-        failed stays eager. ``layout`` must be the one built on the host for ``plan``
+        costs far more than an eager step), at most ``max_buckets`` of them; when they are all
+        taken, the least recently used one is dropped for a new one if it has been idle
+        ``idle_steps`` steps, else the new shape runs eagerly; a bucket whose capture failed stays
+        eager. ``layout`` must be the one built on the host for ``plan``
         (`RankingEngine.prepare` keeps it there). Graphs hold the addresses of the cache's table
         and the model's weights: a moved cache drops them (they are captured again); moving the
         model's weights needs a new `CachedStackGraphs`."""
@@ -295,13 +323,16 @@ class CachedStackGraphs:
             self._table = table
         key = bucket_key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
                          self.token_quantum, self.new_quantum, self.q_quantum)
+        self._steps += 1
         if key in self._failed:
             return None
         with torch.cuda.device(table.device):
             b = self._buckets.get(key)
             if b is None:
+                if len(self._seen) > 16 * self.max_buckets:  # many one-off shapes: forget the uncaptured
+                    self._seen = {k: n for k, n in self._seen.items() if k in self._buckets}
                 self._seen[key] = self._seen.get(key, 0) + 1
-                if self._seen[key] < self.capture_after or len(self._buckets) >= self.max_buckets:
+                if self._seen[key] < self.capture_after or not self._make_room():
                     return None
                 if self._scratch is None:
                     # NOTE: one page for good, taken when the first bucket is made (so an engine
@@ -312,6 +343,8 @@ class CachedStackGraphs:
                         logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
                         return None
                 b = self._buckets[key] = self._new_bucket(key, table.device)
+            self._buckets.move_to_end(key)
+            b.last_used = self._steps
             layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
             self._load(b, layout, plan)
             if (b.layered if layered else b.whole) is None:

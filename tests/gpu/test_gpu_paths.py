@@ -193,16 +193,18 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
         assert worst_cached <= 2 * worst_full + 1e-3, (worst_cached, worst_full)
 
 
-def _graph_vs_eager(model, make_cache, visits, grow, capture_after=1, evict_between=False):
+def _graph_vs_eager(model, make_cache, visits, grow, capture_after=1, evict_between=False, eager_ok=False,
+                    **graph_kwargs):
     """Run the same visits through a graphed cache and an eager one (separate caches, so the graph
     step's own appends and waits are what it reads) and return the worst logit difference, the
-    graphs and how many graph steps onboarded pages."""
+    graphs and how many graph steps onboarded pages. ``eager_ok``: a step the graphs decline
+    (None) runs eagerly on the graphed cache instead of failing the test."""
     from gr_plugin.modules.graphs import CachedStackGraphs
     from gr_plugin.modules.tokens import build_token_layout
     from tests.modules.helpers import User, make_inputs
 
     g_cache, e_cache = make_cache(), make_cache()
-    graphs = CachedStackGraphs(model, g_cache, capture_after=capture_after)
+    graphs = CachedStackGraphs(model, g_cache, capture_after=capture_after, **graph_kwargs)
     assert graphs.supported(torch.device("cuda"))
     g = torch.Generator().manual_seed(7)
     users = [User(u, g) for u in range(2)]
@@ -219,6 +221,8 @@ def _graph_vs_eager(model, make_cache, visits, grow, capture_after=1, evict_betw
             host = build_token_layout(history, candidates, torch.tensor(g_plan.cached_lengths),
                                       model.config.max_positions)
             graphed = graphs.step(host, g_plan)  # first: nothing else has waited or appended for it
+            if graphed is None and eager_ok:
+                graphed = model.forward_cached(history.to("cuda"), candidates.to("cuda"), g_cache, g_plan)
             assert graphed is not None
             g_cache.commit(g_plan)
             e_plan = e_cache.begin(uids, lengths, keys)
@@ -244,6 +248,25 @@ def test_cuda_graphs_replay_the_eager_cached_step():
     assert worst <= 1e-2, worst
     # 80 and 32 new events round to one padded bucket: captured once (whole step), replayed every visit
     assert graphs.captures == 1 and graphs.replays == 4 and graphs.layered_replays == 0
+
+
+def test_cuda_graph_buckets_give_up_the_least_recently_used_when_idle():
+    """Two shapes in turn (80 and 32 new events, buckets of 16) with room for one bucket: with no
+    idle time required each step drops the other shape's bucket and captures its own, and scores
+    what the eager step scores; with the default idle time the second shape runs eagerly instead
+    of capturing on every step."""
+    from gr_plugin.modules import KVCacheModule
+
+    model, _, cache, _, _ = _model_pair(torch.bfloat16)
+    quanta = dict(token_quantum=16, new_quantum=16, q_quantum=16, max_buckets=1)
+    worst, graphs, _ = _graph_vs_eager(model, lambda: KVCacheModule(cache.config, "gpu"), 4,
+                                       lambda visit: 16 if visit % 2 else 40, idle_steps=0, **quanta)
+    assert worst <= 1e-2, worst
+    assert graphs.captures == 4 and graphs.evictions == 3 and graphs.replays == 4 and len(graphs._buckets) == 1
+    worst, graphs, _ = _graph_vs_eager(model, lambda: KVCacheModule(cache.config, "gpu"), 4,
+                                       lambda visit: 16 if visit % 2 else 40, eager_ok=True, **quanta)
+    assert worst <= 1e-2, worst
+    assert graphs.captures == 1 and graphs.evictions == 0 and graphs.replays == 2  # visits 1 and 3
 
 
 def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
