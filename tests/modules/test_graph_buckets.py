@@ -54,3 +54,30 @@ def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
         users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
         got[bs] = tri._default_splits(tokens, users, 4, max_q, 4 * 4096, blocks, 128, 2, cpu)
     assert got == {1: 6, 2: 3, 4: 2, 8: 1}
+
+
+def test_a_full_set_of_buckets_gives_up_only_an_idle_least_recently_used_one():
+    """`CachedStackGraphs._make_room` (the policy only; capture and replay are GPU tests): below
+    ``max_buckets`` there is room; when full, the least recently used bucket goes only once it has
+    been idle more than ``idle_steps`` steps, and its shape must be seen ``capture_after`` times
+    again before it is captured anew."""
+    from types import SimpleNamespace
+
+    from gr_plugin.modules.graphs import CachedStackGraphs
+    from tests.modules.helpers import tiny_cache, tiny_model
+
+    model = tiny_model(0)
+    graphs = CachedStackGraphs(model, tiny_cache(model), max_buckets=2, idle_steps=3)
+    assert graphs._make_room()
+    graphs._buckets["a"] = SimpleNamespace(last_used=1)
+    graphs._buckets["b"] = SimpleNamespace(last_used=2)
+    graphs._buckets.move_to_end("a")  # "a" used again at step 4: "b" is now the least recent
+    graphs._buckets["a"].last_used = 4
+    graphs._seen = {"a": 2, "b": 2, "c": 2}
+    graphs._steps = 5  # "b" idle 3 steps: not more than idle_steps
+    assert not graphs._make_room() and list(graphs._buckets) == ["b", "a"] and graphs.evictions == 0
+    graphs._steps = 6
+    assert graphs._make_room() and list(graphs._buckets) == ["a"] and graphs.evictions == 1
+    assert "b" not in graphs._seen and graphs._seen["c"] == 2
+    with pytest.raises(ValueError, match="max_buckets and capture_after must be >= 1, got 0 and 2"):
+        CachedStackGraphs(model, tiny_cache(model), max_buckets=0)
