@@ -9,6 +9,7 @@ server; the Lightning callback runs the same lifecycle through Lightning's hooks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -18,7 +19,7 @@ from gr_plugin.cache import BatchPlan
 from gr_plugin.data import RequestBatch
 from gr_plugin.inference.inputs import batch_cache_keys, batch_to_kjts, host_batch
 from gr_plugin.modules import HSTURanker, KVCacheModule
-from gr_plugin.modules.tokens import TokenLayout, build_token_layout, keys_fit
+from gr_plugin.modules.tokens import TokenLayout, host_token_layout, keys_fit
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +37,29 @@ class StepResult:
 
 @dataclasses.dataclass
 class PreparedStep:
-    """A step after `RankingEngine.prepare`: the host KJTs, the token layout (on the device; on the
-    host for a cached step when the engine replays CUDA graphs, which pack it themselves), and the
-    cache's plan (None: a full pass; ``fell_back`` when the cache could not fit the batch)."""
+    """A step after `RankingEngine.prepare`: the batch's host copy, the token layout (on the device;
+    on the host for a cached step when the engine replays CUDA graphs, which pack it themselves),
+    and the cache's plan (None: a full pass; ``fell_back`` when the cache could not fit the batch).
+    ``history``/``candidates``: the batch's KJTs on the host, built on first use (a graph replay
+    never needs them)."""
 
-    history: KeyedJaggedTensor
-    candidates: KeyedJaggedTensor
+    batch: RequestBatch
     layout: TokenLayout
     plan: BatchPlan | None
     total: int
     fell_back: bool = False
+
+    @functools.cached_property
+    def _kjts(self) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        return batch_to_kjts(self.batch)
+
+    @property
+    def history(self) -> KeyedJaggedTensor:
+        return self._kjts[0]
+
+    @property
+    def candidates(self) -> KeyedJaggedTensor:
+        return self._kjts[1]
 
 
 class RankingEngine:
@@ -76,37 +90,37 @@ class RankingEngine:
         `discard`) the result: it may hold an in-flight cache step."""
         # NOTE: everything up to the layers runs on the host copy: the token layout is built there
         # (small int tensors) and reaches the device in one pinned, non-blocking copy, so a step
-        # neither moves the whole history to the device nor waits on it.
+        # neither moves the whole history to the device nor waits on it. The checks, the cache keys
+        # and the layout read the batch's columns as they are (numpy on the host): no KJT, no
+        # concatenated copy of the history.
         host = host_batch(batch)
-        history, candidates = batch_to_kjts(host)
+        columns = (host.history_items, host.history_ratings, host.history_time_buckets)
         if self.validate:
-            self.model.validate(history, candidates)
-        lookup = None
+            self.model.validate_ids(host.history_lengths, columns, host.candidate_lengths, host.candidate_items)
+        history_lengths, cand = host.history_lengths.tolist(), host.candidate_lengths.tolist()
+        total, max_cand = sum(history_lengths), max(cand)
+        max_positions = self.model.config.max_positions
+        plan = None
         if self.cache is not None:
             keys = batch_cache_keys(host, check=not self._keys_checked)
-            lookup = self.cache.lookup(host.user_ids.tolist(), host.history_lengths.tolist(), keys)
-        total = int(host.history_lengths.sum())
-        cand = host.candidate_lengths
-        num_cand, max_cand = int(cand.sum()), int(cand.max())
-        max_positions = self.model.config.max_positions
-        plan = self.cache.begin(lookup) if self.cache is not None else None
+            plan = self.cache.begin(self.cache.lookup(host.user_ids.tolist(), history_lengths, keys))
         if plan is None:
             if self.cache is not None:
                 logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
-            layout = build_token_layout(history, candidates, None, max_positions, total + num_cand,
-                                        int((host.history_lengths + cand).max()), num_cand).to(self.device)
-            return PreparedStep(history, candidates, layout, None, total, fell_back=self.cache is not None)
+            layout = host_token_layout(host.history_lengths, columns, host.candidate_lengths, host.candidate_items,
+                                       None, max_positions, max(h + c for h, c in zip(history_lengths, cand)))
+            return PreparedStep(host, layout.to(self.device), None, total, fell_back=self.cache is not None)
         try:
             meta = plan.metadata
             cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
-            layout = build_token_layout(history, candidates, cached, max_positions, meta.num_new_tokens + num_cand,
-                                        meta.max_new_len + max_cand, num_cand)
+            layout = host_token_layout(host.history_lengths, columns, host.candidate_lengths, host.candidate_items,
+                                       cached, max_positions, meta.max_new_len + max_cand)
             if self.graphs is None:
                 layout = layout.to(self.device)
         except BaseException:
             self.cache.abort(plan)
             raise
-        return PreparedStep(history, candidates, layout, plan, total)
+        return PreparedStep(host, layout, plan, total)
 
     @torch.no_grad()
     def run(self, step: PreparedStep) -> StepResult:

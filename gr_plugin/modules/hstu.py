@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from gr_plugin.modules.tokens import (
     TokenLayout,
     build_token_layout,
     check_inputs,
+    validate_ids,
     validate_values,
 )
 from gr_plugin.ops import hstu_attention_jagged
@@ -245,3 +247,11 @@ class HSTURanker(nn.Module):
         c = self.config
         validate_values(history, candidates, num_items=c.num_items, num_actions=c.num_actions,
                         num_time_buckets=c.num_time_buckets)
+
+    def validate_ids(self, history_lengths: torch.Tensor, history_columns: Sequence[torch.Tensor],
+                     candidate_lengths: torch.Tensor, candidate_items: torch.Tensor) -> None:
+        """`validate`'s length and id-range checks on a request's columns (`tokens.validate_ids`:
+        the history's item, action and time ids, the candidates' items), without building KJTs."""
+        c = self.config
+        validate_ids(history_lengths, history_columns, candidate_lengths, candidate_items, num_items=c.num_items,
+                     num_actions=c.num_actions, num_time_buckets=c.num_time_buckets)
