@@ -27,6 +27,13 @@ def test_cached_engines_equal_full_recompute_on_cpu():
     assert row["requests"] == 5 and row["batches"] == 6
     assert row["hit_rate"] > 0.3
     assert row["max_abs_diff"] < 1e-5
+    # three pipelined passes per engine; on the CPU nothing runs asynchronously: the host never waits
+    assert row["graph_host_busy_pipelined"] == 1.0 and row["graph_req_s_pipelined"] > 0
+
+
+def test_pipelined_rounds_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="pipelined_rounds must be an int >= 1, got 0"):
+        e2e.run(batch_sizes=(2,), num_users=3, min_len=32, max_len=96, stride=32, pipelined_rounds=0)
 
 
 def test_worst_diff_keeps_a_nan():
