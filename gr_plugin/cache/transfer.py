@@ -194,6 +194,17 @@ class _CudaHandle(CopyHandle):
         return True
 
 
+def _drain(stream: torch.cuda.Stream) -> None:
+    """Block until everything queued on ``stream`` so far has run (after a failed copy launch); a
+    failure to wait (a broken CUDA context) is logged, not raised over the launch's own error."""
+    try:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        ev.synchronize()
+    except Exception:
+        logger.warning("waiting for a failed copy launch's queued copies failed", exc_info=True)
+
+
 class _LazyCudaHandle(_CudaHandle):
     """An onboard whose copies are launched layer by layer as they are needed, one layer ahead:
     layers 0 and 1 at once, layer ``i + 1`` by the first ``wait_layer(j >= i)``, every layer by
@@ -359,10 +370,19 @@ class CudaTransferEngine(TransferEngine):
         if n == 0:
             return DoneHandle(src.shape[0])
         if dst.is_cuda and not src.is_cuda:
-            return self._onboard(src, src_pages, dst, dst_pages)
-        if src.is_cuda and not dst.is_cuda:
-            return self._offload(src, src_pages, dst, dst_pages)
-        raise ValueError(f"CudaTransferEngine copies host<->device, got {src.device} -> {dst.device}")
+            copy, stream = self._onboard, self.h2d_stream
+        elif src.is_cuda and not dst.is_cuda:
+            copy, stream = self._offload, self.d2h_stream
+        else:
+            raise ValueError(f"CudaTransferEngine copies host<->device, got {src.device} -> {dst.device}")
+        try:
+            return copy(src, src_pages, dst, dst_pages)
+        except BaseException:
+            # NOTE: a failure partway through queuing leaves the copies queued before it in flight,
+            # with no handle to wait on: wait for them here, so none is still writing when the error
+            # reaches a caller that frees (and hands out again) the pages or slots it wrote into.
+            _drain(stream)
+            raise
 
     def _onboard(self, src, src_pages, dst, dst_pages) -> CopyHandle:
         num_layers, n = src.shape[0], src_pages.numel()

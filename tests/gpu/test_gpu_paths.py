@@ -164,6 +164,39 @@ def _model_pair(dtype):
     return model, ref, KVCacheModule(cfg, "gpu"), User, make_inputs
 
 
+@pytest.mark.parametrize("direction", ["onboard", "offload"])
+def test_a_copy_failing_partway_has_its_queued_copies_done_before_the_error(direction, monkeypatch):
+    """``Tensor.copy_`` copies (no raw runtime) that fail after some layers were queued: the error
+    reaches the caller only once those layers' copies have run, so none still writes into pages or
+    slots the caller frees on the error (and hands out again)."""
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    host = torch.ones(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16).pin_memory()  # 32 MB a layer
+    dev = torch.zeros(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16, device="cuda")
+    pages = torch.arange(64)
+    engine = CudaTransferEngine(torch.device("cuda"), raw_copies=False)
+    args = (host, pages, dev, pages) if direction == "onboard" else (dev, pages, host, pages)
+    stream = engine.h2d_stream if direction == "onboard" else engine.d2h_stream
+    real_copy, calls = torch.Tensor.copy_, []
+
+    def copy_(t, src, non_blocking=False):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected copy failure")
+        return real_copy(t, src, non_blocking=non_blocking)
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # the copies queue behind this on the caller's stream (fenced)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        engine.copy(*args)
+    monkeypatch.undo()
+    assert len(calls) == 3 and stream.query()  # the two queued layers' copies have run
+    torch.cuda.synchronize()
+    if direction == "onboard":
+        assert (dev[:2] == 1).all() and (dev[2:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_model_on_gpu_matches_full_recompute(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
