@@ -43,15 +43,24 @@ class PagedBatchMetadata:
     Each field (see the module docstring) is a view of ``buffer`` made on first access, so a
     step that copies the whole buffer into a static one (CUDA graphs) never builds the views, and
     a kernel may read the buffer at ``field_offsets`` directly. Host ints (``batch_size``,
-    ``num_new_tokens``, ...) are plain attributes, so no field needs a device sync.
+    ``num_new_tokens``, ...) are plain attributes, so no field needs a device sync. Given the
+    host buffer and another ``device``, the buffer moves there (one pinned, non-blocking copy on
+    the current stream) the first time it is read: a step replayed from a CUDA graph, which
+    packs the host buffer itself, never moves it.
     """
 
-    __slots__ = ("__dict__", "batch_size", "buffer", "field_offsets", "max_new_len", "max_total_len",
-                 "num_batch_pages", "num_new_tokens", "num_total_tokens", "page_size")
+    __slots__ = ("__dict__", "_buffer", "_device", "_host", "batch_size", "field_offsets", "max_new_len",
+                 "max_total_len", "num_batch_pages", "num_new_tokens", "num_total_tokens", "page_size")
 
     def __init__(self, buffer: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
-                 num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int) -> None:
-        self.buffer = buffer
+                 num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int,
+                 device: torch.device | str | None = None) -> None:
+        target = buffer.device if device is None else torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        self._host = buffer
+        self._device = target
+        self._buffer = buffer if buffer.device == target else None
         self.page_size = page_size
         self.batch_size = batch_size
         self.num_new_tokens = num_new_tokens
@@ -66,6 +75,19 @@ class PagedBatchMetadata:
             at += sizes[size]
         assert at == buffer.numel(), f"metadata buffer has {buffer.numel()} entries, layout needs {at}"
         self.field_offsets = offsets
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The packed buffer on ``device`` (moved there on first read)."""
+        if self._buffer is None:
+            if torch.cuda.is_current_stream_capturing():
+                # NOTE: a graph would keep the copy's source, a pinned buffer freed after this step
+                raise RuntimeError("batch metadata first read on the device inside a CUDA graph capture: "
+                                   "read it (e.g. `meta.buffer`) before capturing")
+            staged = torch.empty(self._host.shape, dtype=torch.int64, pin_memory=True)
+            staged.copy_(self._host)
+            self._buffer = staged.to(self._device, non_blocking=True)
+        return self._buffer
 
     def __getattr__(self, name: str) -> torch.Tensor:
         # NOTE: only called when the attribute is missing: builds and caches a field's view.
@@ -82,7 +104,7 @@ class PagedBatchMetadata:
 
     @property
     def device(self) -> torch.device:
-        return self.buffer.device
+        return self._device
 
     @functools.cached_property
     def new_token_slots(self) -> torch.Tensor:
@@ -104,15 +126,12 @@ class PagedBatchMetadata:
 def metadata_from_host(flat: torch.Tensor, *, page_size: int, batch_size: int, num_new_tokens: int,
                        num_total_tokens: int, num_batch_pages: int, max_new_len: int, max_total_len: int,
                        device: torch.device) -> PagedBatchMetadata:
-    """Wrap a packed host buffer (int64 CPU, `_FIELDS` order) and move it to ``device`` in one copy."""
-    if device.type != "cpu":
-        staged = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
-        staged.copy_(flat)
-        flat = staged.to(device, non_blocking=True)
+    """Wrap a packed host buffer (int64 CPU, `_FIELDS` order) for ``device``: moved there in one
+    copy the first time a field or the buffer is read (`PagedBatchMetadata.buffer`)."""
     return PagedBatchMetadata(
         flat, page_size=page_size, batch_size=batch_size, num_new_tokens=num_new_tokens,
         num_total_tokens=num_total_tokens, num_batch_pages=num_batch_pages, max_new_len=max_new_len,
-        max_total_len=max_total_len,
+        max_total_len=max_total_len, device=device,
     )
 
 

@@ -107,7 +107,7 @@ def _inputs(model: HSTURanker, history: KeyedJaggedTensor, candidates: KeyedJagg
     layout = build_token_layout(history, candidates, meta.cached_lengths, model.config.max_positions)
     n = layout.num_query_tokens
     return ProgramInputs(
-        token_ids=layout.features.values().view(len(EMBEDDING_KEYS), n), q_offsets=layout.q_offsets,
+        token_ids=layout.token_ids.view(len(EMBEDDING_KEYS), n), q_offsets=layout.q_offsets,
         new_rows=layout.new_rows, slots=meta.new_token_slots, kv_indices=meta.kv_indices, kv_indptr=meta.kv_indptr,
         history_lengths=meta.total_lengths, new_lengths=meta.new_lengths, candidate_rows=layout.candidate_rows,
         kv_table=kv_table)

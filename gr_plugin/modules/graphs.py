@@ -193,7 +193,7 @@ class CachedStackGraphs:
 
         a, e = f["ids"]
         ids = st[a:e].reshape(_KEYS, b.tokens)
-        ids[:, :nq] = layout.features.values().numpy().reshape(_KEYS, nq)
+        ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
         ids[:, nq:] = 0
         put("q_offsets", layout.q_offsets.numpy(), b.tokens)  # the padding user's segment is [nq, tokens)
         put("rows", layout.new_rows.numpy(), 0)

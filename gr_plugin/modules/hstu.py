@@ -187,7 +187,7 @@ class HSTURanker(nn.Module):
 
     def _embed(self, layout: TokenLayout) -> torch.Tensor:
         if self.embeds_by_lookup:
-            return self.embed_ids(layout.features.values().view(len(EMBEDDING_KEYS), -1))
+            return self.embed_ids(layout.token_ids.view(len(EMBEDDING_KEYS), -1))
         out = self.embeddings(layout.features)
         x = out[EMBEDDING_KEYS[0]].values()
         for key in EMBEDDING_KEYS[1:]:

@@ -10,6 +10,7 @@ Models wrap `build_token_layout` for ``torch.fx`` (it needs host ints), so they 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,14 +81,18 @@ def _id_range(t: torch.Tensor) -> tuple[int, int]:
 class TokenLayout:
     """Where each query token comes from. ``[B]``/``[B+1]`` per user, ``[Nq]`` per query token.
 
-    - ``features``: KJT with keys ``item, action, time, position`` and lengths ``q_lengths``;
+    - ``token_ids [4 * Nq]``: each query token's ``item, action, time, position`` ids, key-major
+      (the values of ``features``);
+    - ``features``: the same as a KJT (keys ``item, action, time, position``, lengths ``q_lengths``),
+      built on first use: a step whose tables are read by direct lookups or replayed from a CUDA
+      graph never needs it;
     - ``q_offsets [B+1]``, ``max_q_len``: the jagged query sequence (new history, then candidates);
     - ``new_lengths``/``candidate_lengths``/``history_lengths [B]``;
     - ``candidate_rows [sum C]``: rows of the candidates, in the candidates' input order;
     - ``new_rows [N]``: rows of the new history events, in batch order.
     """
 
-    features: KeyedJaggedTensor
+    token_ids: torch.Tensor
     q_offsets: torch.Tensor
     max_q_len: int
     num_query_tokens: int
@@ -97,22 +102,26 @@ class TokenLayout:
     candidate_rows: torch.Tensor
     new_rows: torch.Tensor
 
+    @functools.cached_property
+    def features(self) -> KeyedJaggedTensor:
+        q_len = self.q_offsets[1:] - self.q_offsets[:-1]
+        return _features(self.token_ids, q_len.repeat(len(EMBEDDING_KEYS)), self.num_query_tokens)
+
     def to(self, device: torch.device | str) -> TokenLayout:
         """This layout on ``device``: every index tensor in one pinned host buffer and one
-        non-blocking copy (no device sync, one transfer instead of nine). A no-op on the same device."""
+        non-blocking copy (no device sync, one transfer instead of eight). A no-op on the same device."""
         device = torch.device(device)
-        src = self.features.values()
+        src = self.token_ids
         if src.device == device or (device.type == src.device.type and device.index is None):
             return self
-        parts = [src, self.features.lengths(), self.q_offsets, self.history_lengths, self.new_lengths,
-                 self.candidate_lengths, self.candidate_rows, self.new_rows]
+        parts = [src, self.q_offsets, self.history_lengths, self.new_lengths, self.candidate_lengths,
+                 self.candidate_rows, self.new_rows]
         sizes = [t.numel() for t in parts]
         buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         torch.cat([t.to(torch.int64) for t in parts], out=buf)
-        (values, lengths, q_off, hist, new, cand, cand_rows, new_rows) = buf.to(device, non_blocking=True).split(sizes)
-        return dataclasses.replace(self, features=_features(values, lengths, self.num_query_tokens), q_offsets=q_off,
-                                   history_lengths=hist, new_lengths=new, candidate_lengths=cand,
-                                   candidate_rows=cand_rows, new_rows=new_rows)
+        (ids, q_off, hist, new, cand, cand_rows, new_rows) = buf.to(device, non_blocking=True).split(sizes)
+        return dataclasses.replace(self, token_ids=ids, q_offsets=q_off, history_lengths=hist, new_lengths=new,
+                                   candidate_lengths=cand, candidate_rows=cand_rows, new_rows=new_rows)
 
 
 def _features(values: torch.Tensor, lengths: torch.Tensor, n: int) -> KeyedJaggedTensor:
@@ -191,7 +200,6 @@ def build_token_layout(
         cand_src = torch.where(is_hist, 0, per_user[1] + local)
         torch.where(is_hist, values[0], cand_items[cand_src], out=values[0])
     torch.where(is_hist, (per_user[2] + local).clamp_(max=max_positions - 1), per_user[3], out=values[3])
-    features = _features(values.view(-1), q_len.repeat(len(EMBEDDING_KEYS)), n)
     if num_candidates is None:  # host sync (boolean masks); fine on the CPU and in training
         rows = torch.arange(n, device=device)
         candidate_rows, new_rows = rows[~is_hist], rows[is_hist]
@@ -203,7 +211,7 @@ def build_token_layout(
         bc = torch.repeat_interleave(ar, cand_len, output_size=num_candidates)
         candidate_rows = (q_start + new_len - c_off[:-1])[bc] + torch.arange(num_candidates, device=device)
     return TokenLayout(
-        features=features,
+        token_ids=values.view(-1),
         q_offsets=q_off,
         max_q_len=int(q_len.max()) if max_q_len is None else max_q_len,
         num_query_tokens=n,
@@ -252,7 +260,7 @@ def host_token_layout(history_lengths: torch.Tensor, history_columns: Sequence[t
     values[3, cand_rows] = np.minimum(hl[bc], max_positions - 1)
     t = torch.from_numpy
     return TokenLayout(
-        features=_features(t(values).view(-1), t(np.tile(ql, len(EMBEDDING_KEYS))), n),
+        token_ids=t(values).view(-1),
         q_offsets=t(q_off),
         max_q_len=int(ql.max()) if max_q_len is None else max_q_len,
         num_query_tokens=n,

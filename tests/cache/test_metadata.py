@@ -1,5 +1,6 @@
 from array import array
 
+import pytest
 import torch
 
 from gr_plugin.cache import build_metadata
@@ -31,3 +32,24 @@ def test_empty_history_user_has_no_pages():
     assert meta.kv_indptr.tolist() == [0, 0, 1]
     assert meta.kv_last_page_len.tolist() == [0, 2]
     assert meta.new_token_slots.tolist() == [12, 13]
+
+
+@pytest.mark.gpu
+def test_device_metadata_moves_on_first_read_and_never_inside_a_capture():
+    """A graphed step packs the host buffer itself: the device copy is made only when a field or
+    the buffer is first read, on the current stream, and a first read inside a CUDA graph capture
+    is refused (the graph would keep the copy's pinned source, freed after the step)."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device here")
+    pages, cached, total = [array("q", [7, 2, 5]), array("q", [1])], [5, 0], [9, 3]
+    host = build_metadata(pages, cached, total, 4, torch.device("cpu"))
+    meta = build_metadata(pages, cached, total, 4, torch.device("cuda"))
+    assert meta._buffer is None and meta.device == torch.device("cuda", torch.cuda.current_device())
+    assert meta.kv_indices.is_cuda and torch.equal(meta.buffer.cpu(), host.buffer)
+    assert torch.equal(meta.new_token_slots.cpu(), host.new_token_slots)
+    unread = build_metadata(pages, cached, total, 4, torch.device("cuda"))
+    g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(g, stream=stream):
+            _ = unread.kv_indptr
+    assert unread._buffer is None
