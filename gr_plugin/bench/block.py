@@ -183,7 +183,7 @@ class StaticStep:
     def __init__(self, blk: Block, plan, bs: int, new: int, cands: int) -> None:
         self.blk = blk
         meta = plan.metadata
-        self.size, self.num_new = meta.buffer.numel(), meta.num_new_tokens
+        self.size, self.num_new = plan.host_metadata.numel(), meta.num_new_tokens
         self.ints = torch.zeros(self.size + self.num_new, dtype=torch.int64, device=blk.device)
         self.staging = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=True)
         self.staged = torch.cuda.Event()

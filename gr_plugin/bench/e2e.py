@@ -75,21 +75,14 @@ def _pipelined(engine: RankingEngine, batches: list, cuda: bool) -> tuple[float,
     """``(seconds, waited)`` to score ``batches`` with one step in flight, as a throughput-bound
     server runs: step ``i + 1`` is prepared and launched on the host while the GPU runs step ``i``,
     whose logits come back through a pinned buffer and are waited for only then. ``waited``: the
-    host's time blocked on those waits (near 0: the host is the bound; near ``seconds`` minus the
-    host work: the GPU is)."""
+    host's time blocked on those waits for the step before (near 0: the host is the bound). Waits
+    inside a step (e.g. for a staging buffer's previous copy) count as host work."""
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     pending, waited = None, 0.0
     for batch in batches:
-        logits = engine.score(batch).logits
-        if cuda:
-            out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-            out.copy_(logits, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            out, done = logits, None
+        out, done = _fetch(engine.score(batch).logits, cuda)
         if pending is not None and pending[1] is not None:
             w = time.perf_counter()
             pending[1].synchronize()
@@ -100,6 +93,18 @@ def _pipelined(engine: RankingEngine, batches: list, cuda: bool) -> tuple[float,
         pending[1].synchronize()
         waited += time.perf_counter() - w
     return time.perf_counter() - t0, waited
+
+
+def _fetch(logits: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start bringing a step's logits to the host: ``(pinned host buffer, event to wait on)``;
+    off CUDA the logits themselves and no event."""
+    if not cuda:
+        return logits, None
+    out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    out.copy_(logits, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return out, done
 
 
 def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_len: int = 4096, stride: int = 128,
@@ -190,7 +195,7 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
             piped = {name: n_req / statistics.median(s for s, _ in p) for name, p in passes.items()}
             row.update({f"{name}_req_s_pipelined": r for name, r in piped.items()})
             row["throughput_graph_x_pipelined"] = piped["graph"] / piped["full"]
-            # the share of the graphed pass the host spent working rather than waiting on the GPU
+            # the share of the graphed pass the host spent not blocked on the step before's logits
             row["graph_host_busy_pipelined"] = statistics.median(1 - w / s for s, w in passes["graph"])
         rows.append(row)
         logger.info("e2e %s", row)

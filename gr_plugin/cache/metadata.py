@@ -84,10 +84,19 @@ class PagedBatchMetadata:
                 # NOTE: a graph would keep the copy's source, a pinned buffer freed after this step
                 raise RuntimeError("batch metadata first read on the device inside a CUDA graph capture: "
                                    "read it (e.g. `meta.buffer`) before capturing")
+            # NOTE: two threads reading first at once would each copy (equal values): a plan is
+            # read by the one thread running its step
             staged = torch.empty(self._host.shape, dtype=torch.int64, pin_memory=True)
             staged.copy_(self._host)
             self._buffer = staged.to(self._device, non_blocking=True)
         return self._buffer
+
+    def start_copy(self) -> PagedBatchMetadata:
+        """Queue the device copy now (on the current stream), not at the first read; a no-op once
+        made. For a step that will read the metadata on the device: its copy then goes ahead of
+        the step's first kernels instead of behind them."""
+        _ = self.buffer
+        return self
 
     def __getattr__(self, name: str) -> torch.Tensor:
         # NOTE: only called when the attribute is missing: builds and caches a field's view.

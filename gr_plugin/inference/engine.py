@@ -115,8 +115,9 @@ class RankingEngine:
             cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
             layout = host_token_layout(host.history_lengths, columns, host.candidate_lengths, host.candidate_items,
                                        cached, max_positions, meta.max_new_len + max_cand)
-            if self.graphs is None:
+            if self.graphs is None:  # the eager step reads both on the device: both copies go now
                 layout = layout.to(self.device)
+                meta.start_copy()
         except BaseException:
             self.cache.abort(plan)
             raise

@@ -57,6 +57,11 @@ def validate_ids(history_lengths: torch.Tensor, history_columns: Sequence[torch.
             raise ValueError(
                 f"user at batch index {b} has {int(lengths[b])} {name} events; at least 1 is required")
     items, actions, times = history_columns
+    num_events, num_candidates = int(history_lengths.sum()), int(candidate_lengths.sum())
+    for key, values, want in (("item", items, num_events), ("action", actions, num_events),
+                              ("time", times, num_events), ("candidate item", candidate_items, num_candidates)):
+        if values.numel() != want:
+            raise ValueError(f"{key} column has {values.numel()} entries but the lengths sum to {want}")
     for key, values, lo, hi in (("item", items, 1, num_items),
                                 ("action", actions, 0, num_actions - 1),
                                 ("time", times, 0, num_time_buckets - 1),

@@ -1,6 +1,9 @@
 import math
+import time
+import types
 
 import pytest
+import torch
 
 from gr_plugin.bench import e2e
 
@@ -29,6 +32,22 @@ def test_cached_engines_equal_full_recompute_on_cpu():
     assert row["max_abs_diff"] < 1e-5
     # three pipelined passes per engine; on the CPU nothing runs asynchronously: the host never waits
     assert row["graph_host_busy_pipelined"] == 1.0 and row["graph_req_s_pipelined"] > 0
+
+
+def test_pipelined_counts_the_time_blocked_on_the_step_before(monkeypatch):
+    class SlowEvent:  # the step's logits land 20 ms after the host has moved on
+        def synchronize(self):
+            time.sleep(0.02)
+
+    class Engine:
+        def score(self, batch):
+            time.sleep(0.005)  # the host's own work per step
+            return types.SimpleNamespace(logits=torch.zeros(1))
+
+    monkeypatch.setattr(e2e, "_fetch", lambda logits, cuda: (logits, SlowEvent()))
+    seconds, waited = e2e._pipelined(Engine(), [None] * 5, cuda=False)
+    # every step's wait counts once (4 inside the loop, the last after it); the host's own work never
+    assert waited >= 5 * 0.02 and seconds - waited >= 5 * 0.005
 
 
 def test_pipelined_rounds_must_be_a_positive_int():

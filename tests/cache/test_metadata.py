@@ -47,6 +47,8 @@ def test_device_metadata_moves_on_first_read_and_never_inside_a_capture():
     assert meta._buffer is None and meta.device == torch.device("cuda", torch.cuda.current_device())
     assert meta.kv_indices.is_cuda and torch.equal(meta.buffer.cpu(), host.buffer)
     assert torch.equal(meta.new_token_slots.cpu(), host.new_token_slots)
+    early = build_metadata(pages, cached, total, 4, torch.device("cuda"))
+    assert early.start_copy() is early and early._buffer is not None and early.buffer is early._buffer
     unread = build_metadata(pages, cached, total, 4, torch.device("cuda"))
     g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="inside a CUDA graph capture"):

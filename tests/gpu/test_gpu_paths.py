@@ -171,7 +171,7 @@ def test_a_copy_failing_partway_has_its_queued_copies_done_before_the_error(dire
     slots the caller frees on the error (and hands out again)."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
-    host = torch.ones(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16).pin_memory()  # 32 MB a layer
+    host = torch.ones(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16).pin_memory()  # 16 MiB a layer
     dev = torch.zeros(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16, device="cuda")
     pages = torch.arange(64)
     engine = CudaTransferEngine(torch.device("cuda"), raw_copies=False)
@@ -195,6 +195,8 @@ def test_a_copy_failing_partway_has_its_queued_copies_done_before_the_error(dire
     torch.cuda.synchronize()
     if direction == "onboard":
         assert (dev[:2] == 1).all() and (dev[2:] == 0).all()
+    else:  # the device's zeros reached the host's first two layers only
+        assert (host[:2] == 0).all() and (host[2:] == 1).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,6 +77,19 @@ def test_prepare_names_a_bad_id_and_leaves_the_cache_unchanged(column, key, bad)
     engine.discard(step)
 
 
+def test_prepare_refuses_a_column_that_does_not_match_the_lengths():
+    # a RequestBatch checks its sizes when built; one changed afterwards must not score a prefix
+    first, second = stream(2, 2, 20, 25, 5, 8)[:2]
+    engine = _engine(True)
+    engine.run(engine.prepare(first))
+    before = engine.cache.stats()
+    n = int(second.history_lengths.sum())
+    second.history_ratings = torch.cat([second.history_ratings, torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=rf"^action column has {n + 3} entries but the lengths sum to {n}"):
+        engine.prepare(second)
+    assert engine.cache.stats() == before
+
+
 def test_validate_ids_takes_separate_columns_and_names_the_user_without_events():
     lengths, cands = torch.tensor([2, 1]), torch.tensor([1, 1])
     cols = (torch.tensor([1, 2, 3]), torch.tensor([0, 5, 1]), torch.tensor([0, 1, 7]))
