@@ -50,6 +50,23 @@ def stream(batch_size: int, num_users: int, min_len: int, max_len: int, stride: 
     return list(dm.predict_dataloader())
 
 
+def stream_model(device: torch.device, hidden: int = 1024, layers: int = 8, heads: int = 4,
+                 head_dim: int = 128) -> HSTURanker:
+    """The suite's model (the block suite's shape), bf16 on CUDA, fp32 elsewhere, in eval mode."""
+    cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=hidden,
+                     num_layers=layers, num_heads=heads, head_dim=head_dim, n_norm=4096.0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return HSTURanker(cfg).to(device=device, dtype=dtype).eval()
+
+
+def stream_cache_config(device: torch.device, num_users: int, max_len: int = 4096, stride: int = 128,
+                        layers: int = 8, heads: int = 4, head_dim: int = 128, page_size: int = 128) -> KVCacheConfig:
+    """A cache that holds every user of a `stream` at once (their longest history plus a visit)."""
+    return KVCacheConfig(num_layers=layers, num_heads=heads, head_dim=head_dim, page_size=page_size,
+                         num_pages=num_users * (-(-(max_len + 2 * stride) // page_size) + 1) + 8,
+                         dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
+
+
 def _time(engine: RankingEngine, batch, cuda: bool):
     if cuda:
         torch.cuda.synchronize()
@@ -121,16 +138,11 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     torch.manual_seed(0)
-    cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=hidden,
-                     num_layers=layers, num_heads=heads, head_dim=head_dim, n_norm=4096.0)
-    model = HSTURanker(cfg).to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-    model.eval()
+    model = stream_model(device, hidden, layers, heads, head_dim)
     rows = []
     for bs in batch_sizes:
         batches = stream(bs, num_users, min_len, max_len, stride, num_candidates, interleave_users)
-        kv = KVCacheConfig(num_layers=layers, num_heads=heads, head_dim=head_dim, page_size=page_size,
-                           num_pages=num_users * (-(-(max_len + 2 * stride) // page_size) + 1) + 8,
-                           dtype="bfloat16" if cuda else "float32", device=str(device))
+        kv = stream_cache_config(device, num_users, max_len, stride, layers, heads, head_dim, page_size)
         graph_cache, eager_cache = KVCacheModule(kv, "gpu"), KVCacheModule(kv, "gpu")
         engines = {"graph": RankingEngine(model, graph_cache, device, cuda_graphs=cuda),
                    "eager": RankingEngine(model, eager_cache, device),

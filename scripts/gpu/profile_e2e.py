@@ -13,20 +13,16 @@ import time
 import torch
 
 from gr_plugin.bench import e2e
-from gr_plugin.cache import KVCacheConfig
 from gr_plugin.inference import RankingEngine
-from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule
+from gr_plugin.modules import KVCacheModule
 
 
 def main(batch_sizes):
     torch.manual_seed(0)
-    cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=1024, num_layers=8,
-                     num_heads=4, head_dim=128, n_norm=4096.0)
-    model = HSTURanker(cfg).to("cuda", torch.bfloat16).eval()
+    model = e2e.stream_model(torch.device("cuda"))
     for bs in batch_sizes:
         batches = e2e.stream(bs, 16, 256, 4096, 128, 256)
-        kv = KVCacheConfig(num_layers=8, num_heads=4, head_dim=128, page_size=128, num_pages=16 * 36 + 8,
-                           dtype="bfloat16", device="cuda")
+        kv = e2e.stream_cache_config(torch.device("cuda"), 16)
         cache = KVCacheModule(kv, "gpu")
         cached = RankingEngine(model, cache, "cuda", cuda_graphs=True)
         full = RankingEngine(model, None, "cuda")

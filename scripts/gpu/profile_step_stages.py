@@ -17,10 +17,9 @@ import time
 import torch
 
 from gr_plugin.bench import e2e
-from gr_plugin.cache import KVCacheConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.inference import engine as engine_mod
-from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule
+from gr_plugin.modules import KVCacheModule
 from gr_plugin.modules import graphs as graphs_mod
 
 STEP: dict[str, float] = collections.defaultdict(float)
@@ -44,13 +43,10 @@ def timed(owner, attr: str, name: str) -> None:
 
 def main(batch_sizes):
     torch.manual_seed(0)
-    cfg = HSTUConfig(num_items=50_000, num_time_buckets=32, max_positions=8192, embedding_dim=1024, num_layers=8,
-                     num_heads=4, head_dim=128, n_norm=4096.0)
-    model = HSTURanker(cfg).to("cuda", torch.bfloat16).eval()
+    model = e2e.stream_model(torch.device("cuda"))
     for bs in batch_sizes:
         batches = e2e.stream(bs, 24, 256, 4096, 128, 256)
-        kv = KVCacheConfig(num_layers=8, num_heads=4, head_dim=128, page_size=128, num_pages=24 * 35 + 8,
-                           dtype="bfloat16", device="cuda")
+        kv = e2e.stream_cache_config(torch.device("cuda"), 24)
         cache = KVCacheModule(kv, "gpu")
         eng = RankingEngine(model, cache, "cuda", cuda_graphs=True)
         for b in e2e._other_users(batches, 1 << 20):  # compiles and captures, as the suite's warm pass
