@@ -346,18 +346,22 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
 
 
 def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str,
-                raw_copies: bool = True) -> tuple[float, float]:
+                raw_copies: bool = True, lookahead: int | None = None) -> tuple[float, float]:
     """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the
     stack's replay (`StaticStep.run`), event; and the median host µs of the onboard launch.
     ``mode``: ``gpu`` (the pages are on the device) and ``host`` (onboarded from the host tier,
     every layer's pages before the first layer) replay the whole-stack graph; ``layerwise``
     replays the layer segments, layer ``l``'s append waiting only for its own pages.
     ``raw_copies`` False: the transfer engine launches its copies through ``Tensor.copy_`` instead
-    of raw ``cudaMemcpyAsync``. The lookup and allocate before the first event are not timed."""
+    of raw ``cudaMemcpyAsync``; ``lookahead``: the layers a raw onboard keeps queued past the last
+    one waited for (None: the transfer engine's default). The lookup and allocate before the first
+    event are not timed."""
     m = blk.cache
     page = m.config.page_size
     times, launch = [], []
-    prior, m.transfer.raw_copies = m.transfer.raw_copies, raw_copies
+    prior = m.transfer.raw_copies, m.transfer.onboard_lookahead
+    m.transfer.raw_copies = raw_copies
+    m.transfer.onboard_lookahead = lookahead or prior[1]
     try:
         for _ in range(repeats + 2):
             if mode != "gpu":
@@ -384,11 +388,12 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
             m.abort(plan)
             m.offload_flush()
     finally:
-        m.transfer.raw_copies = prior
+        m.transfer.raw_copies, m.transfer.onboard_lookahead = prior
     return statistics.median(times[2:]), statistics.median(launch[2:])
 
 
-def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int, repeats: int) -> dict[str, Any]:
+def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int, repeats: int,
+               lookaheads=()) -> dict[str, Any]:
     cached = tokens - new
     npg = -(-tokens // page)
     blk = Block(head_dim, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
@@ -411,6 +416,9 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
             row[f"{key}_ms"], launch_us = _request_ms(blk, step, tokens, cached, repeats, mode, raw)
             if mode == "layerwise":
                 row[f"{key}_launch_us"] = launch_us
+        for ahead in lookaheads:
+            row[f"host_hit_layerwise_ahead{ahead}_ms"], _ = _request_ms(blk, step, tokens, cached, repeats,
+                                                                        "layerwise", True, ahead)
         row["transfer_floor_ms"] = floor
     row["layerwise_vs_bound"] = row["host_hit_layerwise_ms"] / max(row["gpu_hit_ms"], floor)
     m.close()
@@ -418,13 +426,15 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
 
 
 def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int = 128, new: int = 128,
-          candidates: int = 256, repeats: int = 10) -> list[dict[str, Any]]:
+          candidates: int = 256, repeats: int = 10, lookaheads=(1, 2, 8)) -> list[dict[str, Any]]:
     """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor. Each request is
     timed alone from an idle GPU, the same way in all three (`_request_ms`); ``gpu_hit_replays_ms``
-    is the whole-stack graph's replay alone, back to back."""
+    is the whole-stack graph's replay alone, back to back. ``lookaheads``: the layerwise request
+    again with the onboard keeping each of these many layers' copies queued ahead
+    (``host_hit_layerwise_ahead<n>_ms``; the engine's default is ``host_hit_layerwise_ms``)."""
     rows = []
     for tokens in tokens_list:
-        rows.append(_tiers_one(tokens, head_dim, page, new, candidates, repeats))
+        rows.append(_tiers_one(tokens, head_dim, page, new, candidates, repeats, tuple(lookaheads)))
         logger.info("tiers %s", rows[-1])
     return rows
 
@@ -445,5 +455,6 @@ COLUMNS = ["part", "head_dim", "page", "batch", "history", "cached", "full_ms", 
            "cached_graph_ms", "speedup", "cached_tflops", "full_tflops", "matmul_peak_tflops", "tokens",
            "onboard_gbs", "raw_h2d_gbs", "onboard_vs_raw", "offload_gbs", "raw_d2h_gbs", "offload_vs_raw",
            "gpu_hit_replays_ms", "gpu_hit_ms", "host_hit_ms", "host_hit_layerwise_ms", "host_hit_layerwise_launch_us",
-           "host_hit_layerwise_tensor_copy_ms", "host_hit_layerwise_tensor_copy_launch_us", "transfer_floor_ms",
-           "layerwise_vs_bound"]
+           "host_hit_layerwise_tensor_copy_ms", "host_hit_layerwise_tensor_copy_launch_us",
+           "host_hit_layerwise_ahead1_ms", "host_hit_layerwise_ahead2_ms", "host_hit_layerwise_ahead8_ms",
+           "transfer_floor_ms", "layerwise_vs_bound"]

@@ -206,31 +206,36 @@ def _drain(stream: torch.cuda.Stream) -> None:
 
 
 class _LazyCudaHandle(_CudaHandle):
-    """An onboard whose copies are launched layer by layer as they are needed, one layer ahead:
-    layers 0 and 1 at once, layer ``i + 1`` by the first ``wait_layer(j >= i)``, every layer by
-    ``wait``, ``done`` or ``launch``. A failed launch first waits (host) for whatever this onboard
-    had queued, a failed layer's first runs included (``mark`` records an event after them), so
-    no copy of it is still writing when the error reaches a caller that frees its pages; from
-    then on every call raises `TransferError` and nothing is launched again.
+    """An onboard whose copies are launched layer by layer as they are needed, ``ahead`` layers
+    ahead: layers ``0..ahead`` at once, layers up to ``i + ahead`` by the first ``wait_layer(j >=
+    i)``, every layer by ``wait``, ``done`` or ``launch``. A failed launch first waits (host) for
+    whatever this onboard had queued, a failed layer's first runs included (``mark`` records an
+    event after them), so no copy of it is still writing when the error reaches a caller that frees
+    its pages; from then on every call raises `TransferError` and nothing is launched again.
 
-    The first layer's copy is what the first layer waits for; launching the other layers' copies
+    The first layer's copy is what the first layer waits for; launching every other layer's copy
     (a raw copy and an event each) before returning would delay the caller's first kernels by
     their host time. They go onto the copy stream behind layer 0's, fenced behind what the caller
-    had queued at the launch, while the caller's stream runs layer 0. Launching one layer ahead
-    keeps a copy queued behind the one running, so the copy engine does not idle while the caller's
-    host is still busy before its next wait (the tiers profile at 1ee68ad showed a 79 µs gap
-    before layer 1's copy without it). A manager reaping finished copies for another plan
-    meanwhile calls ``done`` and so launches the rest early: correct, only not lazy.
+    had queued at the launch, while the caller's stream runs layer 0. Launching ahead keeps copies
+    queued behind the one running, so the copy engine does not idle while the caller's host is
+    still busy before its next wait (the tiers profile at 1ee68ad showed a 79 µs gap before layer
+    1's copy with none ahead; at 2K tokens one layer's copy, ~75 µs, is shorter than the host's
+    time from one wait to the next, so one layer ahead still left gaps: `CudaTransferEngine`'s
+    ``onboard_lookahead``). A manager reaping finished copies for another plan meanwhile calls
+    ``done`` and so launches the rest early: correct, only not lazy.
     """
 
     def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int,
-                 mark: Callable[[], torch.cuda.Event] | None = None) -> None:
+                 mark: Callable[[], torch.cuda.Event] | None = None, ahead: int = 1) -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be at least 1 layer, got {ahead}")
         super().__init__([], num_pages, None)
         self.num_layers = num_layers
+        self.ahead = ahead
         self._issue, self._mark = issue, mark
         self._failed: BaseException | None = None
         self._upto(0)
-        self._ahead(1)
+        self._ahead(ahead)
 
     def _settle(self) -> None:
         """Block until every copy this onboard queued has run (after a failed launch)."""
@@ -246,8 +251,9 @@ class _LazyCudaHandle(_CudaHandle):
                 logger.warning("waiting for a failed onboard's queued copies failed", exc_info=True)
 
     def _ahead(self, layer: int) -> None:
-        """Launch up to ``layer`` now; a failure is kept for the next call to raise."""
-        if layer < self.num_layers:
+        """Launch up to ``layer`` (at most the last) now; a failure is kept for the next call to raise."""
+        layer = min(layer, self.num_layers - 1)
+        if layer >= len(self._events):
             try:
                 self._upto(layer)
             except Exception:  # recorded in self._failed: every later call raises it
@@ -275,7 +281,7 @@ class _LazyCudaHandle(_CudaHandle):
             raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
         self._upto(layer)
         super().wait_layer(layer)
-        self._ahead(layer + 1)
+        self._ahead(layer + self.ahead)
 
     def wait(self) -> None:
         self.launch()
@@ -332,10 +338,14 @@ class CudaTransferEngine(TransferEngine):
     falls back to gathering on the host into pinned staging first.
     """
 
-    def __init__(self, device: torch.device, max_runs: int = 64, raw_copies: bool = True) -> None:
+    def __init__(self, device: torch.device, max_runs: int = 64, raw_copies: bool = True,
+                 onboard_lookahead: int = 1) -> None:
+        if type(onboard_lookahead) is not int or onboard_lookahead < 1:
+            raise ValueError(f"onboard_lookahead must be an int of at least 1 layer, got {onboard_lookahead!r}")
         self.device = device
         self.max_runs = max_runs
         self.raw_copies = raw_copies  # False: every copy through Tensor.copy_ (the bench compares both)
+        self.onboard_lookahead = onboard_lookahead  # layers a raw onboard keeps queued past the last waited for
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
@@ -405,7 +415,7 @@ class CudaTransferEngine(TransferEngine):
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 return ev
-            return _LazyCudaHandle(issue, num_layers, n, mark)
+            return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead)
         caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
             # per-layer views of each run from one slice + unbind

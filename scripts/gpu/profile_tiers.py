@@ -1,6 +1,7 @@
 """Where does a host hit + layerwise step spend its time? (the tiers rows of docs/BENCHMARKS.md)
 
-python3 scripts/gpu/profile_tiers.py [tokens ...]   (default 2048 4096)
+python3 scripts/gpu/profile_tiers.py [tokens ...] [ahead=N]   (default 2048 4096; N: the onboard's
+look-ahead in layers, default the transfer engine's)
 
 For each history length: the bench's bs-1 block (head_dim 128, page 128, 128 new events, 256
 candidates) with every cached page in the host tier, one layerwise host hit run under the
@@ -21,11 +22,13 @@ import torch
 from gr_plugin.bench.block import Block, StaticStep
 
 
-def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128) -> None:
+def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128, ahead: int | None = None) -> None:
     cached = tokens - new
     npg = -(-tokens // page)
     blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
     m = blk.cache
+    if ahead is not None:
+        m.transfer.onboard_lookahead = ahead
     blk.fill([1], cached)
     m.offload_flush()
     with torch.no_grad():
@@ -64,7 +67,7 @@ def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128) -> 
             host_hit(marks)
         plain: dict = {}
         host_hit(plain)
-    print(f"=== tokens {tokens} (cached {cached}): unprofiled host us / gpu ms "
+    print(f"=== tokens {tokens} (cached {cached}), look-ahead {m.transfer.onboard_lookahead}: unprofiled host us / gpu ms "
           + ", ".join(f"{k} {v:.1f}" if k != "gpu_ms" else f"{k} {v:.3f}" for k, v in plain.items()))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -91,5 +94,6 @@ def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128) -> 
 
 
 if __name__ == "__main__":
-    for t in [int(a) for a in sys.argv[1:]] or [2048, 4096]:
-        one(t)
+    opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    for t in [int(a) for a in sys.argv[1:] if "=" not in a] or [2048, 4096]:
+        one(t, ahead=int(opts["ahead"]) if "ahead" in opts else None)

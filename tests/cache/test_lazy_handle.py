@@ -106,3 +106,27 @@ def test_a_failed_first_launch_raises_from_the_constructor():
     with pytest.raises(RuntimeError, match="at layer 0"):
         _LazyCudaHandle(issuer(log, fail_at=0), 2, 1)
     assert log == []  # nothing was queued, nothing to wait for
+
+
+def test_a_deeper_look_ahead_keeps_that_many_layers_queued(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream(log))
+    handle = _LazyCudaHandle(issuer(log), 6, 1, ahead=3)
+    assert log == [("issue", 0), ("issue", 1), ("issue", 2), ("issue", 3)]
+    handle.wait_layer(0)  # layers 1..3 already queued: nothing new
+    assert log[-1] == ("wait", 0) and len(log) == 5
+    handle.wait_layer(1)
+    assert log[-2:] == [("wait", 1), ("issue", 4)]
+    handle.wait_layer(4)  # 5 is past 4 + 3 clipped to the last layer
+    assert log[-2:] == [("wait", 4), ("issue", 5)]
+    everything = _LazyCudaHandle(issuer(log := []), 3, 1, ahead=8)  # more than there are: all at once
+    assert log == [("issue", 0), ("issue", 1), ("issue", 2)] and everything.done()
+    with pytest.raises(ValueError, match="ahead must be at least 1 layer, got 0"):
+        _LazyCudaHandle(issuer([]), 3, 1, ahead=0)
+
+
+def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    with pytest.raises(ValueError, match="onboard_lookahead must be an int of at least 1 layer, got 0"):
+        CudaTransferEngine(torch.device("cuda"), onboard_lookahead=0)

@@ -149,6 +149,27 @@ def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
     m.check()
 
 
+def test_raw_onboard_with_a_deeper_look_ahead_queues_that_many_layers():
+    """``onboard_lookahead=2``: layers 0..2 go at launch, layer ``i + 2`` at the first wait for ``i``."""
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    g = torch.Generator().manual_seed(2)
+    host = torch.randn(5, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
+    engine = CudaTransferEngine(torch.device("cuda"), onboard_lookahead=2)
+    dev = torch.zeros(5, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    handle = engine.copy(host, src, dev, dst)
+    copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(5)]  # noqa: E731
+    torch.cuda.synchronize()
+    assert copied() == [True, True, True, False, False]
+    handle.wait_layer(1)
+    torch.cuda.synchronize()
+    assert copied() == [True, True, True, True, False]
+    handle.wait_layer(3)
+    handle.wait()
+    assert copied() == [True] * 5 and dev[:, [0, 4, 8, 9]].abs().sum() == 0
+
+
 def _model_pair(dtype):
     from gr_plugin.cache import KVCacheConfig
     from gr_plugin.modules import KVCacheModule
