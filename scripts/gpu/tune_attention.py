@@ -1,10 +1,12 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
 
-python3 scripts/gpu/tune_attention.py [quick|schedules|splits|bucket [bs ...]]  -> a table of ms per (case, BLOCK_M, BLOCK_N,
-warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the paged form's
-grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs per
-SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA
-graph bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`)
+python3 scripts/gpu/tune_attention.py [quick|schedules|splits|small|bucket [bs ...]] -> a table of ms per (case,
+BLOCK_M, BLOCK_N, warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the
+paged form's grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs
+per SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA graph
+bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`); ``small``: bs 1 and 2
+at head_dim 128 and 256, every block config with every split count, graphed (the eager sweep's times at bs 1 are the
+host's launch cost, not the kernel's)
 """
 
 import itertools
@@ -35,13 +37,13 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-# NOTE: each config compiles once (the split count is a runtime argument); an earlier sweep with the default split heuristic found
-# nothing faster than (64, 64, 4, 3) at head_dim 128, but the split count sets the number of waves (programs over
-# SMs x programs per SM), so here every config runs with every split count.
+# NOTE: each config compiles once (the split count is a runtime argument); an earlier sweep with the default split
+# heuristic found nothing faster than (64, 64, 4, 3) at head_dim 128, but the split count sets the number of waves
+# (programs over SMs x programs per SM), so here every config runs with every split count.
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
-if {"quick", "schedules", "splits", "bucket"} & set(sys.argv[1:]):
+if {"quick", "schedules", "splits", "bucket", "small"} & set(sys.argv[1:]):
     CONFIGS = []
 
 
@@ -186,6 +188,45 @@ if "bucket" in sys.argv[1:]:
         for label, ms in best.items():
             diff = (fns[label]().float() - ref.float())[: bs * 384].abs().max().item()
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs 1 split {diff:.2e})")
+    sys.exit(0)
+
+SMALL_CONFIGS = {128: [(128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+                       (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+                 256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+                       (32, 64, 4, 2), (32, 32, 4, 3)]}
+
+if "small" in sys.argv[1:]:
+    # graphed ms (min of 2 rounds) of every (config, split count) at the small batches, against the default
+    # launch (its config, the split rule); every output checked against the default's
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bs, dim, page in ((1, 128, 128), (2, 128, 128), (1, 256, 32), (2, 256, 32)):
+        args, max_q, max_kv = case(bs, 4096, 128, 256, 4, dim, page)
+        flops = bs * 4 * 384 * 4096 * dim * 4
+        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)
+        fns = {"default": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)}
+        for bl in SMALL_CONFIGS[dim]:
+            tiles = bs * 4 * -(-max_q // bl[0])
+            rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
+            for sp in sorted({rule, 2, 3, 4, 6, 8, 11, 16, 22, 32}):
+                if tiles * sp > 3 * sms or sp * 2 > -(-max_kv // bl[1]):
+                    continue
+                label = f"BM={bl[0]} BN={bl[1]} warps={bl[2]} stages={bl[3]} splits={sp}"
+                fns[label + (" (rule)" if sp == rule else "")] = (
+                    lambda bl=bl, sp=sp: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
+                                                     num_splits=sp, blocks=bl))
+        best, diffs = {}, {}
+        for label, fn in list(fns.items()):
+            try:
+                diffs[label] = (fn().float() - ref.float()).abs().max().item()
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                print(f"   {label}: {type(e).__name__}: {str(e)[:120]}")
+                del fns[label]
+        for _ in range(2):
+            for label, fn in fns.items():
+                best[label] = min(best.get(label, float("inf")), graphed(fn))
+        print(f"small bs{bs} d{dim} p{page}: default {best['default']:.4f} ms")
+        for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:10]:
+            print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
     sys.exit(0)
 
 if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:
