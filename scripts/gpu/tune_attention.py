@@ -199,7 +199,7 @@ if "small" in sys.argv[1:]:
     # graphed ms (min of 2 rounds) of every (config, split count) at the small batches, against the default
     # launch (its config, the split rule); every output checked against the default's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bs, dim, page in ((1, 128, 128), (2, 128, 128), (1, 256, 32), (2, 256, 32)):
+    for bs, dim, page in ((1, 128, 128), (2, 128, 128), (4, 128, 128), (1, 256, 32), (2, 256, 32)):
         args, max_q, max_kv = case(bs, 4096, 128, 256, 4, dim, page)
         flops = bs * 4 * 384 * 4096 * dim * 4
         ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)

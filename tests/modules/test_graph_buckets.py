@@ -40,7 +40,7 @@ def test_small_buckets_count_their_users_exactly():
 
 def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
     """The e2e suite's requests (128 new events + 256 candidates per user, history 4096, head_dim
-    128, an H200's 132 SMs): the split count of the bucket's attention launch (its users, rows and
+    128, an H200's 132 SMs): the tiles and split count of the bucket's attention launch (its users, rows and
     ``max_q``, as `CachedStackGraphs._layer` passes them) is what the real users plus the padding
     user allow. Before (d3b28d0: a power of two of users, ``max_q_len`` = all rows, the grid counted)
     bs 2 and 4 took one split (H200, `scripts/gpu/tune_attention.py bucket`: 0.073 / 0.084 ms a
@@ -48,12 +48,13 @@ def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
-    blocks = (128, 128, 8, 2)  # the paged form's head_dim 128 tiles (bf16)
     got = {}
     for bs in (1, 2, 4, 8):
         users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
-        got[bs] = tri._default_splits(tokens, users, 4, max_q, 4 * 4096, blocks, 128, 2, cpu)
-    assert got == {1: 6, 2: 3, 4: 2, 8: 1}
+        blocks = tri._launch_blocks(tokens, users, 4, max_q, 128, torch.bfloat16, True, cpu)  # what the launch takes
+        got[bs] = blocks[0], tri._default_splits(tokens, users, 4, max_q, 4 * 4096, blocks, 128, 2, cpu)
+    # bs 1 and 2 (20 and 36 query tiles of 128 rows x 4 heads) take 64-row tiles, bs 4 and 8 128-row ones
+    assert got == {1: (64, 7), 2: (64, 3), 4: (128, 2), 8: (128, 1)}
 
 
 def test_a_full_set_of_buckets_gives_up_only_an_idle_least_recently_used_one():

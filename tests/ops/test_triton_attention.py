@@ -157,6 +157,38 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     assert tri._resident(small, 256, 2, cpu) == 1 and tri._splits(48, 4096, small, 256, 2, cpu) == 2
 
 
+def test_few_query_tiles_take_64_row_tiles(monkeypatch):
+    """`_launch_blocks`: a paged bf16 launch with few query tiles (bs 1 and 2 at head_dim 128, bs 1
+    at 256, 128 new + 256 candidates each; the graph buckets of those with their padding user) on
+    an H200-sized device takes 64-row tiles; more tiles, fp32, the jagged form or a device without
+    ~200 KB of shared memory per block keep `_blocks`. A launch that names its split count (a traced
+    one) or runs stream-K does not ask."""
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def blocks(bs, dim, nq=None, users=None, dtype=bf16, paged=True):
+        return tri._launch_blocks(nq or 384 * bs, users or bs, 4, 384, dim, dtype, paged, cpu)
+
+    assert [blocks(bs, 128) for bs in (1, 2, 4, 8)] == [(64, 64, 4, 2)] * 2 + [(128, 128, 8, 2)] * 2
+    assert [blocks(bs, 256) for bs in (1, 2, 8)] == [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 2)]
+    assert blocks(2, 128, nq=1024, users=3) == (64, 64, 4, 2)  # bs 2's bucket: 36 tiles
+    assert blocks(1, 256, nq=512, users=2) == (64, 64, 8, 2)  # bs 1's bucket: 20 tiles
+    assert blocks(2, 256, nq=1024, users=3) == (64, 32, 4, 2)
+    assert blocks(1, 128, dtype=torch.float32) == tri._blocks(128, torch.float32, True, cpu)
+    assert blocks(1, 128, paged=False) == tri._blocks(128, bf16, False, cpu)
+    assert blocks(1, 64) == tri._blocks(64, bf16, True, cpu)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 166912)  # an A100's 163 KB
+    assert blocks(1, 128) == tri._blocks(128, bf16, True, cpu) == (64, 64, 4, 3)
+    asked = []
+    monkeypatch.setattr(tri, "_launch_blocks", lambda *a: asked.append(a[:4]) or (16, 8, 4, 1))
+    _, paged = build([40, 0], [3, 2], [20, 0], 8, 2, 16, torch.float32, "cpu")
+    run(tri, "paged", {**paged, "max_q_len": 64})
+    assert asked == [(25, 2, 2, 64)]  # 23 + 2 query rows, 2 users, 2 heads
+    run(tri, "paged", {**paged, "max_q_len": 64, "num_splits": 1})
+    run(tri, "paged", {**paged, "max_q_len": 64, "schedule": "stream"})
+    assert len(asked) == 1
+
+
 def test_split_rule_counts_the_tiles_that_can_hold_rows(monkeypatch):
     """`_query_tiles` bounds the (user, query block) tiles holding rows by the rows there are, so a
     CUDA graph bucket (``max_q_len`` = all its rows, a padding user) is split as its rows allow:

@@ -338,6 +338,32 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     return 64, 64, 4, 3
 
 
+# Query tiles (128 rows) x heads at or below which the paged form's split grid takes `_FEW_TILE_BLOCKS`.
+FEW_TILES = {128: 36, 256: 20}
+_FEW_TILE_BLOCKS = {128: (64, 64, 4, 2), 256: (64, 64, 8, 2)}
+
+
+def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, head_dim: int, dtype: torch.dtype, paged: bool,
+                   device: torch.device) -> tuple[int, int, int, int]:
+    """The blocks of a split-grid launch whose caller named none: `_blocks`, except for a paged launch
+    with few query tiles (at most ``FEW_TILES[head_dim]`` of 128 rows, counted as the split rule
+    counts them, `_query_tiles`, times the heads) in bf16/fp16 on a device with ~200 KB of shared
+    memory per block, which takes 64-row tiles.
+
+    NOTE: measured on the H200 (`scripts/gpu/tune_attention.py small`, history 4096, 128 new + 256
+    candidates, graphed, every config with every split count; docs/BENCHMARKS.md): head_dim 128 at
+    bs 1 0.0176 ms with 64x64 tiles (4 warps, 2 stages, 11 splits) vs 0.0193 with 128x128, at bs 2
+    0.0232 vs 0.0264; head_dim 256 at bs 1 0.0415 ms with 64x64 tiles (8 warps, 5 splits) vs 0.0491
+    with 64x32, but at bs 2 the 64x32 tiles stay best (0.0664). bs 1 and 2 count 12 and 24 tiles
+    (bs 1 and 2 graph buckets, a padding user included: 20 and 36), bs 4 counts 48."""
+    blocks = _blocks(head_dim, dtype, paged, device)
+    few = _FEW_TILE_BLOCKS.get(head_dim)
+    if not paged or few is None or dtype.itemsize != 2 or _shared_memory(device) < 200 * 1024:
+        return blocks
+    tiles = _query_tiles(nq, bsz, triton.cdiv(max(max_q_len, 1), 128), 128) * heads
+    return few if tiles <= FEW_TILES[head_dim] else blocks
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -465,7 +491,13 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if schedule == "stream" and num_splits is not None:
         raise ValueError(f"num_splits applies to the split schedule, got num_splits={num_splits} with 'stream'")
     bsz = q_offsets.numel() - 1
-    block_m, block_n, warps, stages = blocks or _blocks(dim, q.dtype, paged, q.device)
+    if blocks is None:
+        # NOTE: the few-tile blocks only where the split rule picks the count (a traced launch names
+        # num_splits=1 and may hold symbolic sizes; stream-K keeps its own tiles)
+        split_rule = num_splits is None and schedule != "stream" and not (schedule is None and SCHEDULE == "stream")
+        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, dim, q.dtype, paged, q.device) if split_rule
+                  else _blocks(dim, q.dtype, paged, q.device))
+    block_m, block_n, warps, stages = blocks
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
     if schedule is None:
         # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8,
