@@ -219,10 +219,12 @@ class _LazyCudaHandle(_CudaHandle):
     had queued at the launch, while the caller's stream runs layer 0. Launching ahead keeps copies
     queued behind the one running, so the copy engine does not idle while the caller's host is
     still busy before its next wait (the tiers profile at 1ee68ad showed a 79 µs gap before layer
-    1's copy with none ahead; at 2K tokens one layer's copy, ~75 µs, is shorter than the host's
-    time from one wait to the next, so one layer ahead still left gaps: `CudaTransferEngine`'s
-    ``onboard_lookahead``). A manager reaping finished copies for another plan meanwhile calls
-    ``done`` and so launches the rest early: correct, only not lazy.
+    1's copy with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``: at 2K
+    tokens one layer's copy (~75 µs) is about the host's time from one wait to the next, and under
+    the profiler's slower host one layer ahead left the copy engine idle; unprofiled, 1, 2 and 8
+    layers ahead measured the same (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
+    for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
+    lazy.
     """
 
     def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int,
@@ -340,18 +342,27 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(self, device: torch.device, max_runs: int = 64, raw_copies: bool = True,
                  onboard_lookahead: int = 1) -> None:
-        if type(onboard_lookahead) is not int or onboard_lookahead < 1:
-            raise ValueError(f"onboard_lookahead must be an int of at least 1 layer, got {onboard_lookahead!r}")
+        self.onboard_lookahead = onboard_lookahead  # (checked before any stream is made)
         self.device = device
         self.max_runs = max_runs
         self.raw_copies = raw_copies  # False: every copy through Tensor.copy_ (the bench compares both)
-        self.onboard_lookahead = onboard_lookahead  # layers a raw onboard keeps queued past the last waited for
         self.h2d_stream = torch.cuda.Stream(device=device)
         self.d2h_stream = torch.cuda.Stream(device=device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._copiers: dict[tuple, Callable | None] = {}
         self._fence_event: int | None = None
         self._fence_lock = threading.Lock()
+
+    @property
+    def onboard_lookahead(self) -> int:
+        """Layers a raw onboard keeps queued past the last one waited for (`_LazyCudaHandle`)."""
+        return self._lookahead
+
+    @onboard_lookahead.setter
+    def onboard_lookahead(self, layers: int) -> None:
+        if type(layers) is not int or layers < 1:
+            raise ValueError(f"onboard_lookahead must be an int of at least 1 layer, got {layers!r}")
+        self._lookahead = layers
 
     def _raw_copier(self, src: torch.Tensor, dst: torch.Tensor) -> Callable | None:
         """`raw_copier` of two tables, remembered per layout (the transfer engine's tables live long)."""

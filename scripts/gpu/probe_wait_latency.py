@@ -5,8 +5,10 @@ python3 scripts/gpu/probe_wait_latency.py [copy_mb] [repeats]
 
 A copy of ``copy_mb`` MB (pinned host -> device) runs on a side stream; a timing event is recorded
 there right after it (E1). The compute stream waits for the copy, then runs a small piece of work
-W (five elementwise kernels on 1M elements), then records E2. E2 - E1 - (W alone) is the latency
-from the copy's end to W's start. Ways of waiting, side by side, interleaved:
+W (five elementwise kernels on 1M elements), then records E2. E2 - E1 - (what runs after the wait,
+alone) is the latency from the copy's end to W's start. "Alone" is timed with the host ahead too
+(the GPU held by a short sleep while the host queues the replay), so neither side counts the
+host's launch. Ways of waiting, side by side, interleaved:
 - ``event+graph``: ``wait_event`` of a torch event, then W as a replayed CUDA graph (the engine's
   layer segments today);
 - ``event+eager``: the same wait, W launched kernel by kernel;
@@ -59,11 +61,12 @@ def main(copy_mb: float = 4.0, repeats: int = 50) -> None:
         work()
     torch.cuda.synchronize()
 
-    def alone() -> float:
+    def alone(graph: torch.cuda.CUDAGraph) -> float:
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time: the replay is queued before the GPU reaches it
         a.record()
-        g_work.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         return a.elapsed_time(b) * 1e3
@@ -98,20 +101,22 @@ def main(copy_mb: float = 4.0, repeats: int = 50) -> None:
         return e1.elapsed_time(e2) * 1e3
 
     modes = ["event+graph", "event+eager", "graph_wait_node", "chained_graphs"]
-    res: dict[str, list[float]] = {m: [] for m in modes + ["alone"]}
+    res: dict[str, list[float]] = {m: [] for m in [*modes, "alone", "alone_b"]}
     for _ in range(5):
         for m in modes:
             timed(m)
     for _ in range(repeats):
-        res["alone"].append(alone())
+        res["alone"].append(alone(g_work))
+        res["alone_b"].append(alone(g_b))
         for m in modes:
             res[m].append(timed(m))
-    base = statistics.median(res["alone"])
-    print(f"copy {copy_mb} MB; W alone (graph) {base:.1f} us")
+    base, base_b = statistics.median(res["alone"]), statistics.median(res["alone_b"])
+    print(f"copy {copy_mb} MB; W alone (graph) {base:.1f} us; its last 3 kernels alone {base_b:.1f} us")
     for m in modes:
         med = statistics.median(res[m])
-        print(f"{m:16s} E2-E1 median {med:7.1f} us  -> latency {med - base:6.1f} us "
-              f"(p10 {sorted(res[m])[len(res[m]) // 10] - base:6.1f})")
+        after = base_b if m == "chained_graphs" else base  # (chained: 2 kernels run during the copy)
+        print(f"{m:16s} E2-E1 median {med:7.1f} us  -> latency {med - after:6.1f} us "
+              f"(p10 {sorted(res[m])[len(res[m]) // 10] - after:6.1f})")
     # the event wait node waited for the copy: check the data dependency held (a copy of new bytes)
     host.fill_(3.0)
     torch.cuda.synchronize()

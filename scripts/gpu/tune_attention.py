@@ -1,12 +1,11 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
-
 python3 scripts/gpu/tune_attention.py [quick|schedules|splits|small|bucket [bs ...]] -> a table of ms per (case,
 BLOCK_M, BLOCK_N, warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the
 paged form's grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs
 per SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA graph
-bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`); ``small``: bs 1 and 2
-at head_dim 128 and 256, every block config with every split count, graphed (the eager sweep's times at bs 1 are the
-host's launch cost, not the kernel's)
+bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`); ``small``: bs 1, 2 and
+4 at head_dim 128 and bs 1 and 2 at 256, every block config with every split count, graphed (the eager sweep's times
+at bs 1 are the host's launch cost, not the kernel's)
 """
 
 import itertools
@@ -95,11 +94,13 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
     rule = tri._default_splits(args[0].shape[0], bs, heads, max_q, max_kv, blocks, args[0].shape[-1], 2,
                                args[0].device)
     wave = sms * tri._resident(blocks, args[0].shape[-1], 2, args[0].device)
+    # NOTE: the split variants name `_blocks`' tiles, so that every split count runs on the tiles the
+    # rule was counted for (a launch naming no blocks or splits takes `_launch_blocks`, 64-row tiles at bs 1-2)
     variants = {
-        "split": dict(schedule="split", tma=False),
-        "split + tma": dict(schedule="split", tma=True),
+        "split": dict(schedule="split", tma=False, blocks=blocks),
+        "split + tma": dict(schedule="split", tma=True, blocks=blocks),
         **{f"split + tma, {n} splits{' (old rule)' if n == pow2 else ''}{' (> 1 wave)' if n * tiles > wave else ''}":
-           dict(schedule="split", tma=True, num_splits=n)
+           dict(schedule="split", tma=True, num_splits=n, blocks=blocks)
            for n in sorted({pow2, rule, rule + 1, 2 * rule} - {1})},
         "stream": dict(schedule="stream", tma=False),
         "stream + tma": dict(schedule="stream", tma=True),
@@ -115,7 +116,8 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
             continue
         kw = dict(kw)
         mq = kw.pop("max_q", max_q)
-        if (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3] or (args[0].shape[-1] > 128 and "blocks" in kw):
+        if (kw.get("blocks") or (0, 0))[1] > args[3].shape[-3] or (args[0].shape[-1] > 128 and
+                                                                      kw.get("blocks") not in (None, blocks)):
             continue
         fn = (lambda mq, kw: lambda: tri._launch(*args, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv, **kw))(mq, kw)
         try:
@@ -169,16 +171,17 @@ if "bucket" in sys.argv[1:]:
         new_args = (*old_args[:5], old_args[5][: users + 1], old_args[6][: users + 1], old_args[7][:users],
                     old_args[8][:users])
         grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device)
+        # (the two earlier launches on the 128-row tiles they ran on; now: the launch's own choice, `_launch_blocks`)
         variants = {
             f"d3b28d0: {old_users} users, max_q_len {tokens}, {grid} splits (grid count)":
-                (old_args, tokens, grid),
-            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None),
-            f"now: {users} users, max_q_len {max_q}, rule": (new_args, max_q, None),
+                (old_args, tokens, grid, blocks),
+            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None, blocks),
+            f"now: {users} users, max_q_len {max_q}, rule": (new_args, max_q, None, None),
         }
         ref = tri._launch(*new_args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
-        fns = {label: (lambda a=a, mq=mq, n=n: tri._launch(*a, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv,
-                                                            num_splits=n))
-               for label, (a, mq, n) in variants.items()}
+        fns = {label: (lambda a=a, mq=mq, n=n, bl=bl: tri._launch(*a, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv,
+                                                                   num_splits=n, blocks=bl))
+               for label, (a, mq, n, bl) in variants.items()}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(3):
             for label, fn in fns.items():

@@ -125,8 +125,24 @@ def test_a_deeper_look_ahead_keeps_that_many_layers_queued(monkeypatch):
         _LazyCudaHandle(issuer([]), 3, 1, ahead=0)
 
 
+def test_a_failed_deeper_look_ahead_waits_for_what_went_and_raises_at_the_next_call():
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log, fail_at=2), 4, 1, ahead=3)  # layers 0 and 1 went, 2 failed
+    assert log == [("issue", 0), ("issue", 1), ("sync", 1)]
+    for call in (lambda: handle.wait_layer(0), handle.wait, handle.done):
+        with pytest.raises(TransferError, match="at layer 2"):
+            call()
+    assert log == [("issue", 0), ("issue", 1), ("sync", 1)]
+
+
 def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
     from gr_plugin.cache.transfer import CudaTransferEngine
 
-    with pytest.raises(ValueError, match="onboard_lookahead must be an int of at least 1 layer, got 0"):
-        CudaTransferEngine(torch.device("cuda"), onboard_lookahead=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"onboard_lookahead must be an int of at least 1 layer, got {bad!r}"):
+            CudaTransferEngine(torch.device("cuda"), onboard_lookahead=bad)
+    engine = object.__new__(CudaTransferEngine)  # (no CUDA here: the setter alone)
+    engine.onboard_lookahead = 3
+    with pytest.raises(ValueError, match="got 0"):
+        engine.onboard_lookahead = 0
+    assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was

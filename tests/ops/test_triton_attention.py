@@ -186,6 +186,8 @@ def test_few_query_tiles_take_64_row_tiles(monkeypatch):
     assert asked == [(25, 2, 2, 64)]  # 23 + 2 query rows, 2 users, 2 heads
     run(tri, "paged", {**paged, "max_q_len": 64, "num_splits": 1})
     run(tri, "paged", {**paged, "max_q_len": 64, "schedule": "stream"})
+    monkeypatch.setattr(tri, "SCHEDULE", "stream")  # GR_PLUGIN_ATTENTION_SCHEDULE=stream, no schedule named
+    run(tri, "paged", {**paged, "max_q_len": 64})
     assert len(asked) == 1
 
 

@@ -333,9 +333,14 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     fp32 keeps the small tiles (128x128 fp32 tiles do not fit)."""
     if head_dim >= 256:
         return 64, 32, 4, 2
-    if head_dim >= 128 and paged and dtype.itemsize == 2 and _shared_memory(device) >= 200 * 1024:
+    if head_dim >= 128 and paged and dtype.itemsize == 2 and _large_tiles_fit(device):
         return 128, 128, 8, 2
     return 64, 64, 4, 3
+
+
+def _large_tiles_fit(device: torch.device) -> bool:
+    """Whether a block may use ~200 KB of shared memory (Hopper), which the ~160 KB tiles need."""
+    return _shared_memory(device) >= 200 * 1024
 
 
 # Query tiles (128 rows) x heads at or below which the paged form's split grid takes `_FEW_TILE_BLOCKS`.
@@ -347,18 +352,21 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, head_dim: int,
                    device: torch.device) -> tuple[int, int, int, int]:
     """The blocks of a split-grid launch whose caller named none: `_blocks`, except for a paged launch
     with few query tiles (at most ``FEW_TILES[head_dim]`` of 128 rows, counted as the split rule
-    counts them, `_query_tiles`, times the heads) in bf16/fp16 on a device with ~200 KB of shared
-    memory per block, which takes 64-row tiles.
+    counts them, `_query_tiles`, times the heads) in bf16/fp16 on a device where the large tiles fit
+    (`_large_tiles_fit`), which takes `_FEW_TILE_BLOCKS`: 64x64 tiles (head_dim 128: 64-row tiles
+    instead of 128; head_dim 256: 64-key blocks and 8 warps instead of 32 and 4).
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention.py small`, history 4096, 128 new + 256
     candidates, graphed, every config with every split count; docs/BENCHMARKS.md): head_dim 128 at
     bs 1 0.0176 ms with 64x64 tiles (4 warps, 2 stages, 11 splits) vs 0.0193 with 128x128, at bs 2
     0.0232 vs 0.0264; head_dim 256 at bs 1 0.0415 ms with 64x64 tiles (8 warps, 5 splits) vs 0.0491
     with 64x32, but at bs 2 the 64x32 tiles stay best (0.0664). bs 1 and 2 count 12 and 24 tiles
-    (bs 1 and 2 graph buckets, a padding user included: 20 and 36), bs 4 counts 48."""
+    (bs 1 and 2 graph buckets, a padding user included: 20 and 36), bs 4 counts 48. Not measured:
+    the split counts the buckets take with these tiles (7 at bs 1), counts between 12 and 36 other
+    than those, fp16."""
     blocks = _blocks(head_dim, dtype, paged, device)
     few = _FEW_TILE_BLOCKS.get(head_dim)
-    if not paged or few is None or dtype.itemsize != 2 or _shared_memory(device) < 200 * 1024:
+    if not paged or few is None or dtype.itemsize != 2 or not _large_tiles_fit(device):
         return blocks
     tiles = _query_tiles(nq, bsz, triton.cdiv(max(max_q_len, 1), 128), 128) * heads
     return few if tiles <= FEW_TILES[head_dim] else blocks
@@ -448,9 +456,10 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
       (128x128 tiles, one per SM): unsplit 0.090 ms, split 2 0.102 ms; head_dim 256's 64x32 tiles
       fit two per SM, and bs 2 there runs 0.104 ms at 2 splits (96 programs), 0.074 ms at 4 (192);
     - the count is a runtime argument of the kernel, so any count fills the SMs (Triton compiles
-      at most three variants: a count of 1, a multiple of 16, any other): bs 1, head_dim 128 takes
-      11 splits of 12 tiles (132 programs, at most 3 of the 32 key blocks each): 0.019 ms, vs
-      0.021 ms at 8 (a power of two, 96 programs)."""
+      at most three variants: a count of 1, a multiple of 16, any other): bs 1, head_dim 128 took
+      11 splits of 12 tiles of 128 rows (132 programs, at most 3 of the 32 key blocks each): 0.019
+      ms, vs 0.021 ms at 8 (a power of two, 96 programs); with the 64-row tiles it takes now
+      (`_launch_blocks`), 11 splits of 24 tiles, two programs per SM: 0.0176 ms."""
     kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
     wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
     return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
@@ -491,21 +500,19 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if schedule == "stream" and num_splits is not None:
         raise ValueError(f"num_splits applies to the split schedule, got num_splits={num_splits} with 'stream'")
     bsz = q_offsets.numel() - 1
-    if blocks is None:
-        # NOTE: the few-tile blocks only where the split rule picks the count (a traced launch names
-        # num_splits=1 and may hold symbolic sizes; stream-K keeps its own tiles)
-        split_rule = num_splits is None and schedule != "stream" and not (schedule is None and SCHEDULE == "stream")
-        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, dim, q.dtype, paged, q.device) if split_rule
-                  else _blocks(dim, q.dtype, paged, q.device))
+    # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8, head_dim
+    # 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so it runs only
+    # where asked for. Sizes are taken apart only where the split rule or stream-K's bound needs them
+    # (here, `_launch_blocks`, `_default_splits`): a traced launch names num_splits=1 and may hold
+    # symbolic ones.
+    want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
+    if blocks is None:  # the few-tile blocks only where the split rule picks the count
+        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, dim, q.dtype, paged, q.device)
+                  if num_splits is None and not want_stream else _blocks(dim, q.dtype, paged, q.device))
     block_m, block_n, warps, stages = blocks
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
-    if schedule is None:
-        # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8,
-        # head_dim 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so
-        # it runs only where asked for. The tiles' table of `_stream_tiles` lives in registers: bounded.
-        # (Only here are sizes taken apart: a traced launch, num_splits=1, may hold symbolic ones.)
-        stream = SCHEDULE == "stream" and paged and num_splits is None
-        schedule = "stream" if stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
+    if schedule is None:  # (the tiles' table of `_stream_tiles` lives in registers: bounded)
+        schedule = "stream" if want_stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
     stream = schedule == "stream"
     if stream and _pad(bsz) * _pad(m_blocks) > _STREAM_TILES:
         raise ValueError(f"stream-K holds the tiles' table in registers: {bsz} users x {m_blocks} query blocks "
