@@ -202,7 +202,10 @@ if "small" in sys.argv[1:]:
     # graphed ms (min of 2 rounds) of every (config, split count) at the small batches, against the default
     # launch (its config, the split rule); every output checked against the default's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bs, dim, page in ((1, 128, 128), (2, 128, 128), (4, 128, 128), (1, 256, 32), (2, 256, 32)):
+    chosen = [int(a) for a in sys.argv[2:]]  # ``small 3 4``: those batch sizes at head_dim 128 only
+    small_cases = ([(bs, 128, 128) for bs in chosen] if chosen else
+                   [(1, 128, 128), (2, 128, 128), (4, 128, 128), (1, 256, 32), (2, 256, 32)])
+    for bs, dim, page in small_cases:
         args, max_q, max_kv = case(bs, 4096, 128, 256, 4, dim, page)
         flops = bs * 4 * 384 * 4096 * dim * 4
         ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)
@@ -227,7 +230,8 @@ if "small" in sys.argv[1:]:
         for _ in range(2):
             for label, fn in fns.items():
                 best[label] = min(best.get(label, float("inf")), graphed(fn))
-        print(f"small bs{bs} d{dim} p{page}: default {best['default']:.4f} ms")
+        tiles = tri._query_tiles(args[0].shape[0], bs, 3, 128) * 4
+        print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads): default {best['default']:.4f} ms")
         for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:10]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
     sys.exit(0)
