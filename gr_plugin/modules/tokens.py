@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gr_plugin.csrc.core import build as core_build
 from gr_plugin.ops.jagged import complete_cumsum
 
 HISTORY_KEYS = ("item", "action", "time")
@@ -228,19 +229,64 @@ def build_token_layout(
     )
 
 
+def _native_ready(tensors) -> bool:
+    """Whether the C++ layout can take these tensors: the core is loaded in this process (the cache
+    loads it) and each is a contiguous 1-D int64 CPU tensor."""
+    return core_build.loaded() and all(t.dtype is torch.int64 and t.dim() == 1 and t.device.type == "cpu"
+                                       and t.is_contiguous() for t in tensors)
+
+
 def host_token_layout(history_lengths: torch.Tensor, history_columns: Sequence[torch.Tensor],
                       candidate_lengths: torch.Tensor, candidate_items: torch.Tensor,
                       cached_lengths: torch.Tensor | None, max_positions: int,
-                      max_q_len: int | None = None) -> TokenLayout:
-    """`build_token_layout` from a request's CPU columns, in numpy: int64 lengths ``[B]``, the
-    history's item, action and time columns (``[3, N]`` or three ``[N]``; only the uncached events
-    are read) and the candidates' items. The same result with a few microseconds per op instead of
-    a torch dispatch each, and no concatenated history (the serving step builds its layout here)."""
+                      max_q_len: int | None = None, *, native: bool = True) -> TokenLayout:
+    """`build_token_layout` from a request's CPU columns: int64 lengths ``[B]``, the history's
+    item, action and time columns (``[3, N]`` or three ``[N]``, their sizes the lengths' sum; only
+    the uncached events are read) and the candidates' items. No concatenated history (the serving
+    step builds its layout here). Where the C++ core is loaded (``native``, the default) one pass
+    in C++ (``torch.ops.gr_kv_core.token_layout``, ``gr_plugin/csrc/core/token_layout.cpp``),
+    else numpy, ~30 ops of a few microseconds each; the numpy form is the reference the tests hold
+    the C++ one to. Bad lengths or column sizes raise ValueError naming the value."""
+    cols = tuple(history_columns)
+    if len(cols) != 3:
+        raise ValueError(f"history_columns must be the item, action and time columns, got {len(cols)}")
+    opt = () if cached_lengths is None else (cached_lengths,)
+    if native and _native_ready((history_lengths, *cols, candidate_lengths, candidate_items, *opt)):
+        ids, q_off, nl, cand_rows, new_rows = torch.ops.gr_kv_core.token_layout(
+            history_lengths, *cols, candidate_lengths, candidate_items, cached_lengths, max_positions)
+        return TokenLayout(
+            token_ids=ids, q_offsets=q_off,
+            max_q_len=int((nl + candidate_lengths).max()) if max_q_len is None else max_q_len,
+            num_query_tokens=cand_rows.numel() + new_rows.numel(), history_lengths=history_lengths,
+            new_lengths=nl, candidate_lengths=candidate_lengths, candidate_rows=cand_rows, new_rows=new_rows)
+    return _numpy_layout(history_lengths, cols, candidate_lengths, candidate_items, cached_lengths, max_positions,
+                         max_q_len)
+
+
+def _numpy_layout(history_lengths, history_columns, candidate_lengths, candidate_items, cached_lengths,
+                  max_positions, max_q_len) -> TokenLayout:
+    if max_positions < 1:
+        raise ValueError(f"max_positions must be at least 1, got {max_positions}")
     hl, cl = history_lengths.numpy(), candidate_lengths.numpy()
+    if cl.shape != hl.shape:
+        raise ValueError(f"candidate_lengths has {cl.size} entries for {hl.size} users")
     ca = np.zeros_like(hl) if cached_lengths is None else cached_lengths.numpy()
+    if ca.shape != hl.shape:
+        raise ValueError(f"cached_lengths has {ca.size} entries for {hl.size} users")
+    for name, lengths in (("history_lengths", hl), ("candidate_lengths", cl)):
+        if (lengths < 0).any():
+            b = int(np.nonzero(lengths < 0)[0][0])
+            raise ValueError(f"{name}[{b}] = {int(lengths[b])} is negative")
     if (ca < 0).any() or (ca > hl).any():
         b = int(np.nonzero((ca < 0) | (ca > hl))[0][0])
         raise ValueError(f"cached_lengths[{b}] = {int(ca[b])} is outside [0, {int(hl[b])}] (the history length)")
+    num_events, num_candidates = int(hl.sum()), int(cl.sum())
+    for name, column, want, what in (("item", history_columns[0], num_events, "history"),
+                                     ("action", history_columns[1], num_events, "history"),
+                                     ("time", history_columns[2], num_events, "history"),
+                                     ("candidate item", candidate_items, num_candidates, "candidate")):
+        if column.numel() != want:
+            raise ValueError(f"{name} column has {column.numel()} entries but the {what} lengths sum to {want}")
     nl = hl - ca
     ql = nl + cl
     bsz = hl.shape[0]

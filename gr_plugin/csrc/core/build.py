@@ -1,6 +1,7 @@
 """Build and load the C++ cache policy core (``torch.classes.gr_kv_core``, ``torch.ops.gr_kv_core``).
 
-Owns the JIT build of ``kv_core.cpp`` + ``host_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` with
+Owns the JIT build of ``kv_core.cpp`` + ``host_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` (+ the
+request ops, ``request_ops.cpp``, and the host token layout, ``token_layout.cpp``) with
 ``torch.utils.cpp_extension.load`` (ninja, -O2, C++17): the build directory is cached and ninja
 rebuilds only when a source or a flag changes. ``python -m gr_plugin.csrc.core.build`` builds it
 (``scripts/setup.sh`` does, once per machine). Imports only torch and the standard library, so
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 NAME = "gr_kv_core"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "host_core.cpp", "binding.cpp", "request_ops.cpp")
+SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "host_core.cpp", "binding.cpp", "request_ops.cpp",
+           "token_layout.cpp")
 CFLAGS = ("-O2", "-std=c++17")
 
 _lock = threading.Lock()
@@ -57,6 +59,12 @@ def build_directory(with_xxhash: bool) -> Path:
     # rebuild each other's library under a running process.
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:12]
     return base / f"{NAME}-{tag}-{digest}{'' if with_xxhash else '-noxxhash'}"
+
+
+def loaded() -> bool:
+    """Whether this process has loaded the core (`load`); a caller that only uses it when present
+    asks this rather than building it."""
+    return _loaded is not None
 
 
 def _ensure_ninja() -> None:

@@ -1,0 +1,127 @@
+"""The C++ host token layout (``torch.ops.gr_kv_core.token_layout``) against its numpy reference
+(`gr_plugin.modules.tokens.host_token_layout` with ``native=False``): the same tensors for random
+batches, the same errors for bad ones, and the numpy form where the C++ one cannot take the input."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gr_plugin.csrc.core import build as core_build
+from gr_plugin.modules import tokens
+from gr_plugin.modules.tokens import host_token_layout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def core():
+    core_build.load()
+
+
+def batch(g: torch.Generator, bsz: int, max_hist: int = 300, max_cand: int = 40):
+    hl = torch.randint(1, max_hist, (bsz,), generator=g)
+    cl = torch.randint(0, max_cand, (bsz,), generator=g)
+    ca = (torch.rand(bsz, generator=g) * (hl + 1)).long().clamp(max=hl)
+    ca[0] = hl[0]  # a user with every event cached
+    n = int(hl.sum())
+    cols = (torch.randint(1, 1000, (n,), generator=g), torch.randint(0, 5, (n,), generator=g),
+            torch.randint(0, 32, (n,), generator=g))
+    return hl, cols, cl, torch.randint(1, 1000, (int(cl.sum()),), generator=g), ca
+
+
+def assert_same(a, b):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cpp_layout_equals_the_numpy_one(seed):
+    g = torch.Generator().manual_seed(seed)
+    bsz = [1, 2, 3, 8, 17, 1][seed]
+    hl, cols, cl, cand, ca = batch(g, bsz)
+    for cached in (ca, None):
+        for max_positions, max_q in ((8192, None), (50, 999), (1, None)):  # 50 and 1: positions clipped
+            got = host_token_layout(hl, cols, cl, cand, cached, max_positions, max_q)
+            want = host_token_layout(hl, cols, cl, cand, cached, max_positions, max_q, native=False)
+            assert_same(got, want)
+    stacked = torch.stack(cols)  # the [3, N] form of the columns
+    assert_same(host_token_layout(hl, stacked, cl, cand, ca, 4096),
+                host_token_layout(hl, stacked, cl, cand, ca, 4096, native=False))
+
+
+def test_the_cpp_layout_is_taken_where_it_can_be(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    hl, cols, cl, cand, ca = batch(g, 4)
+    calls = []
+    real = torch.ops.gr_kv_core.token_layout
+
+    class Ops:
+        @staticmethod
+        def token_layout(*args):
+            calls.append(args)
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops, "gr_kv_core", Ops)
+    host_token_layout(hl, cols, cl, cand, ca, 4096)
+    assert len(calls) == 1
+    strided = (torch.stack([cols[0], cols[0]], 1)[:, 0], cols[1], cols[2])  # a non-contiguous column: numpy
+    assert_same(host_token_layout(hl, strided, cl, cand, ca, 4096),
+                host_token_layout(hl, cols, cl, cand, ca, 4096, native=False))
+    host_token_layout(hl, cols, cl, cand.int(), ca, 4096)  # int32 candidates: numpy
+    monkeypatch.setattr(core_build, "loaded", lambda: False)  # the core not loaded in this process: numpy
+    host_token_layout(hl, cols, cl, cand, ca, 4096)
+    assert len(calls) == 1
+
+
+BAD = [
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl, cand, ca.index_fill(0, torch.tensor([1]), 10**6)),
+     r"cached_lengths\[1\] = 1000000 is outside \[0, \d+\] \(the history length\)"),
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl, cand, ca.index_fill(0, torch.tensor([2]), -1)),
+     r"cached_lengths\[2\] = -1 is outside"),
+    (lambda hl, cols, cl, cand, ca: (hl, (cols[0][:-1], cols[1], cols[2]), cl, cand, ca),
+     r"item column has \d+ entries but the history lengths sum to \d+"),
+    (lambda hl, cols, cl, cand, ca: (hl, (cols[0], cols[1], torch.cat([cols[2], cols[2][:1]])), cl, cand, ca),
+     r"time column has \d+ entries but the history lengths sum to"),
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl, cand[:-1], ca),
+     r"candidate item column has \d+ entries but the candidate lengths sum to"),
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl.index_fill(0, torch.tensor([0]), -3), cand, ca),
+     r"candidate_lengths\[0\] = -3 is negative"),
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl[:-1], cand, ca), r"candidate_lengths has 3 entries for 4 users"),
+    (lambda hl, cols, cl, cand, ca: (hl, cols, cl, cand, ca[:-1]), r"cached_lengths has 3 entries for 4 users"),
+]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_input_raises_the_same_error_both_ways(native, case):
+    g = torch.Generator().manual_seed(11)
+    hl, cols, cl, cand, ca = batch(g, 4)
+    ca[1] = hl[1] - 1  # (so the mutations below are the only bad values)
+    make, message = BAD[case]
+    args = make(hl, cols, cl, cand, ca)
+    # the cached lengths in the case's last slot; cl shortened by one still sums right only by chance
+    with pytest.raises(ValueError, match=message):
+        host_token_layout(*args[:4], args[4], 4096, native=native)
+    with pytest.raises(ValueError, match="max_positions must be at least 1, got 0"):
+        host_token_layout(hl, cols, cl, cand, ca, 0, native=native)
+    with pytest.raises(ValueError, match="history_columns must be the item, action and time columns, got 2"):
+        host_token_layout(hl, cols[:2], cl, cand, ca, 4096, native=native)
+
+
+def test_an_empty_batch_and_a_user_with_nothing_to_compute():
+    empty = torch.zeros(0, dtype=torch.int64)
+    for native in (True, False):
+        got = host_token_layout(empty, (empty, empty, empty), empty, empty, empty, 4096, 0, native=native)
+        assert got.num_query_tokens == 0 and got.q_offsets.tolist() == [0] and got.token_ids.numel() == 0
+    one = torch.tensor([5])
+    cols = (torch.arange(1, 6), torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.int64))
+    got = host_token_layout(one, cols, torch.tensor([0]), empty, one, 4096, native=True)
+    assert got.num_query_tokens == 0 and got.q_offsets.tolist() == [0, 0] and got.new_lengths.tolist() == [0]
+    assert_same(got, host_token_layout(one, cols, torch.tensor([0]), empty, one, 4096, native=False))
+
+
+def test_tokens_module_keeps_the_numpy_switch():
+    assert tokens._HOST_NUMPY  # the KJT path's host layouts go through host_token_layout
