@@ -91,8 +91,9 @@ class RankingEngine:
         # NOTE: everything up to the layers runs on the host copy: the token layout is built there
         # (small int tensors) and reaches the device in one pinned, non-blocking copy, so a step
         # neither moves the whole history to the device nor waits on it. The checks, the cache keys
-        # and the layout read the batch's columns as they are (numpy on the host): no KJT, no
-        # concatenated copy of the history.
+        # and the layout read the batch's columns as they are (on the host: the checks and the
+        # layout in one C++ pass each once the cache has loaded its core, else numpy; the keys in
+        # numpy): no KJT, no concatenated copy of the history.
         host = host_batch(batch)
         columns = (host.history_items, host.history_ratings, host.history_time_buckets)
         if self.validate:

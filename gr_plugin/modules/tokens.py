@@ -51,7 +51,19 @@ def validate_ids(history_lengths: torch.Tensor, history_columns: Sequence[torch.
                  num_actions: int, num_time_buckets: int) -> None:
     """The checks of `validate_values` on a request's columns: per-user lengths ``[B]``, the
     history's item, action and time columns (``[3, N]`` or three ``[N]``) and the candidates'
-    items. Raises ValueError naming the first bad value."""
+    items. Raises ValueError naming the first bad value. Where the C++ core is loaded, in one pass
+    there (``torch.ops.gr_kv_core.validate_columns``; the numpy form here is its reference)."""
+    cols = tuple(history_columns)
+    if len(cols) == 3 and _native_ready((history_lengths, *cols, candidate_lengths, candidate_items)):
+        torch.ops.gr_kv_core.validate_columns(history_lengths, *cols, candidate_lengths, candidate_items, num_items,
+                                              num_actions, num_time_buckets)
+        return
+    _numpy_validate(history_lengths, cols, candidate_lengths, candidate_items, num_items, num_actions,
+                    num_time_buckets)
+
+
+def _numpy_validate(history_lengths, history_columns, candidate_lengths, candidate_items, num_items, num_actions,
+                    num_time_buckets) -> None:
     for name, lengths in (("history", history_lengths), ("candidates", candidate_lengths)):
         if lengths.numel() and _id_range(lengths)[0] <= 0:
             b = int((lengths <= 0).nonzero()[0])
@@ -244,7 +256,7 @@ def host_token_layout(history_lengths: torch.Tensor, history_columns: Sequence[t
     item, action and time columns (``[3, N]`` or three ``[N]``, their sizes the lengths' sum; only
     the uncached events are read) and the candidates' items. No concatenated history (the serving
     step builds its layout here). Where the C++ core is loaded (``native``, the default) one pass
-    in C++ (``torch.ops.gr_kv_core.token_layout``, ``gr_plugin/csrc/core/token_layout.cpp``),
+    in C++ (``torch.ops.gr_kv_core.token_layout``, ``gr_plugin/csrc/core/step_inputs.cpp``),
     else numpy, ~30 ops of a few microseconds each; the numpy form is the reference the tests hold
     the C++ one to. Bad lengths or column sizes raise ValueError naming the value."""
     cols = tuple(history_columns)

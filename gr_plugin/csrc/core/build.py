@@ -1,7 +1,7 @@
 """Build and load the C++ cache policy core (``torch.classes.gr_kv_core``, ``torch.ops.gr_kv_core``).
 
 Owns the JIT build of ``kv_core.cpp`` + ``host_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` (+ the
-request ops, ``request_ops.cpp``, and the host token layout, ``token_layout.cpp``) with
+request ops, ``request_ops.cpp``, and the host checks and token layout of a step, ``step_inputs.cpp``) with
 ``torch.utils.cpp_extension.load`` (ninja, -O2, C++17): the build directory is cached and ninja
 rebuilds only when a source or a flag changes. ``python -m gr_plugin.csrc.core.build`` builds it
 (``scripts/setup.sh`` does, once per machine). Imports only torch and the standard library, so
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 NAME = "gr_kv_core"
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("page_pool.cpp", "hashing.cpp", "kv_core.cpp", "host_core.cpp", "binding.cpp", "request_ops.cpp",
-           "token_layout.cpp")
+           "step_inputs.cpp")
 CFLAGS = ("-O2", "-std=c++17")
 
 _lock = threading.Lock()

@@ -1,6 +1,8 @@
-"""The C++ host token layout (``torch.ops.gr_kv_core.token_layout``) against its numpy reference
-(`gr_plugin.modules.tokens.host_token_layout` with ``native=False``): the same tensors for random
-batches, the same errors for bad ones, and the numpy form where the C++ one cannot take the input."""
+"""The C++ host half of a step's inputs (``gr_plugin/csrc/core/step_inputs.cpp``) against its numpy
+reference: the token layout (``torch.ops.gr_kv_core.token_layout`` vs `host_token_layout` with
+``native=False``: the same tensors for random batches, the same errors for bad ones, and the numpy
+form where the C++ one cannot take the input) and the request checks (``validate_columns`` vs the
+numpy `validate_ids`: the same first error for each bad value)."""
 
 import dataclasses
 
@@ -9,7 +11,7 @@ import torch
 
 from gr_plugin.csrc.core import build as core_build
 from gr_plugin.modules import tokens
-from gr_plugin.modules.tokens import host_token_layout
+from gr_plugin.modules.tokens import _numpy_validate, host_token_layout, validate_ids
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,3 +127,63 @@ def test_an_empty_batch_and_a_user_with_nothing_to_compute():
 
 def test_tokens_module_keeps_the_numpy_switch():
     assert tokens._HOST_NUMPY  # the KJT path's host layouts go through host_token_layout
+
+
+TABLES = dict(num_items=999, num_actions=5, num_time_buckets=32)
+
+
+def checked(hl, cols, cl, cand):
+    """validate_ids through the C++ op (it must be the one taken) and through numpy: the same outcome."""
+    errors = []
+    for run in (lambda: validate_ids(hl, cols, cl, cand, **TABLES),
+                lambda: _numpy_validate(hl, cols, cl, cand, *TABLES.values())):
+        try:
+            run()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    assert errors[0] == errors[1], errors
+    return errors[0]
+
+
+VALIDATE_BAD = [
+    (lambda hl, cols, cl, cand: (hl.index_fill(0, torch.tensor([2]), 0), cols, cl, cand),
+     "user at batch index 2 has 0 history events; at least 1 is required"),
+    (lambda hl, cols, cl, cand: (hl, cols, cl.index_fill(0, torch.tensor([1]), -1), cand),
+     "user at batch index 1 has -1 candidates events; at least 1 is required"),
+    (lambda hl, cols, cl, cand: (hl, (cols[0][:-1], *cols[1:]), cl, cand),
+     "item column has"),
+    (lambda hl, cols, cl, cand: (hl, cols, cl, torch.cat([cand, cand[:2]])), "candidate item column has"),
+    (lambda hl, cols, cl, cand: (hl, (cols[0].index_fill(0, torch.tensor([5]), 0), *cols[1:]), cl, cand),
+     "item id 0 is outside the table range [1, 999]"),
+    (lambda hl, cols, cl, cand: (hl, (cols[0].index_fill(0, torch.tensor([7]), 1000), *cols[1:]), cl, cand),
+     "item id 1000 is outside the table range [1, 999]"),
+    (lambda hl, cols, cl, cand: (hl, (cols[0], cols[1].index_fill(0, torch.tensor([3]), 5), cols[2]), cl, cand),
+     "action id 5 is outside the table range [0, 4]"),
+    (lambda hl, cols, cl, cand: (hl, (*cols[:2], cols[2].index_fill(0, torch.tensor([0]), -4)), cl, cand),
+     "time id -4 is outside the table range [0, 31]"),
+    (lambda hl, cols, cl, cand: (hl, cols, cl, cand.index_fill(0, torch.tensor([1]), 10**9)),
+     "candidate item id 1000000000 is outside the table range [1, 999]"),
+]
+
+
+def test_the_cpp_checks_pass_a_good_request_and_raise_the_reference_error_for_each_bad_one(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    hl, cols, cl, cand, _ = batch(g, 5)
+    cl = cl + 1  # at least one candidate each
+    cand = torch.randint(1, 1000, (int(cl.sum()),), generator=g)
+    calls = []
+    real = torch.ops.gr_kv_core.validate_columns
+
+    class Ops:
+        @staticmethod
+        def validate_columns(*args):
+            calls.append(args)
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops, "gr_kv_core", Ops)
+    assert checked(hl, cols, cl, cand) is None and len(calls) == 1
+    for make, message in VALIDATE_BAD:
+        got = checked(*make(hl, cols, cl, cand))
+        assert got is not None and got.startswith(message), (got, message)
+    assert len(calls) == 1 + len(VALIDATE_BAD)

@@ -1,6 +1,7 @@
-// The host token layout of a cached ranking step: torch.ops.gr_kv_core.token_layout.
+// The host half of a ranking step's request in C++: torch.ops.gr_kv_core.token_layout and
+// validate_columns.
 //
-// Owns one pass over a request's columns that says which query rows a step computes: per user its
+// token_layout owns one pass over a request's columns that says which query rows a step computes: per user its
 // uncached history events (the events past its cached prefix) then its candidates. The semantics are
 // gr_plugin.modules.tokens.host_token_layout's numpy form (the reference the tests compare against);
 // this one does in one loop what that does in ~30 numpy calls, on the serving step's host path.
@@ -103,6 +104,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_lay
   return {token_ids, q_offsets, new_lengths, cand_rows, new_rows};
 }
 
+// The length and id-range checks of a request's columns (gr_plugin.modules.tokens.validate_ids, whose
+// numpy form is the reference): every user has >= 1 history event and >= 1 candidate, each column's
+// size is its lengths' sum, and each column's ids lie in its table's range; the first failing check
+// raises ValueError with the reference's message (a range names the column's min or max).
+void validate_columns(const at::Tensor& history_lengths, const at::Tensor& items, const at::Tensor& actions,
+                      const at::Tensor& times, const at::Tensor& candidate_lengths, const at::Tensor& candidate_items,
+                      int64_t num_items, int64_t num_actions, int64_t num_time_buckets) {
+  int64_t sums[2] = {0, 0};
+  const at::Tensor* lengths[2] = {&history_lengths, &candidate_lengths};
+  const char* what[2] = {"history", "candidates"};
+  for (int k = 0; k < 2; ++k) {
+    const int64_t* l = int64_data(*lengths[k], k ? "candidate_lengths" : "history_lengths");
+    for (int64_t b = 0; b < lengths[k]->numel(); ++b) {
+      TORCH_CHECK_VALUE(l[b] > 0, "user at batch index ", b, " has ", l[b], " ", what[k],
+                        " events; at least 1 is required");
+      sums[k] += l[b];
+    }
+  }
+  struct Column {
+    const char* key;
+    const at::Tensor* values;
+    int64_t want, lo, hi;
+  };
+  const Column columns[4] = {{"item", &items, sums[0], 1, num_items},
+                             {"action", &actions, sums[0], 0, num_actions - 1},
+                             {"time", &times, sums[0], 0, num_time_buckets - 1},
+                             {"candidate item", &candidate_items, sums[1], 1, num_items}};
+  for (const Column& c : columns) {
+    TORCH_CHECK_VALUE(c.values->numel() == c.want, c.key, " column has ", c.values->numel(),
+                      " entries but the lengths sum to ", c.want);
+  }
+  for (const Column& c : columns) {
+    const int64_t* v = int64_data(*c.values, c.key);
+    const int64_t n = c.values->numel();
+    if (n == 0) continue;
+    int64_t lo = v[0], hi = v[0];
+    for (int64_t i = 1; i < n; ++i) {
+      lo = std::min(lo, v[i]);
+      hi = std::max(hi, v[i]);
+    }
+    TORCH_CHECK_VALUE(lo >= c.lo && hi <= c.hi, c.key, " id ", lo < c.lo ? lo : hi,
+                      " is outside the table range [", c.lo, ", ", c.hi, "]");
+  }
+}
+
 }  // namespace
 }  // namespace gr_kv_core
 
@@ -111,4 +157,7 @@ TORCH_LIBRARY_FRAGMENT(gr_kv_core, m) {
         "Tensor candidate_items, Tensor? cached_lengths, int max_positions) -> "
         "(Tensor token_ids, Tensor q_offsets, Tensor new_lengths, Tensor candidate_rows, Tensor new_rows)",
         gr_kv_core::token_layout);
+  m.def("validate_columns(Tensor history_lengths, Tensor items, Tensor actions, Tensor times, "
+        "Tensor candidate_lengths, Tensor candidate_items, int num_items, int num_actions, int num_time_buckets) -> ()",
+        gr_kv_core::validate_columns);
 }
