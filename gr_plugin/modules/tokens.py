@@ -70,7 +70,8 @@ def _numpy_validate(history_lengths, history_columns, candidate_lengths, candida
             raise ValueError(
                 f"user at batch index {b} has {int(lengths[b])} {name} events; at least 1 is required")
     items, actions, times = history_columns
-    num_events, num_candidates = int(history_lengths.sum()), int(candidate_lengths.sum())
+    num_events = _checked_sum(history_lengths.cpu().numpy(), "history")
+    num_candidates = _checked_sum(candidate_lengths.cpu().numpy(), "candidate")
     for key, values, want in (("item", items, num_events), ("action", actions, num_events),
                               ("time", times, num_events), ("candidate item", candidate_items, num_candidates)):
         if values.numel() != want:
@@ -83,6 +84,15 @@ def _numpy_validate(history_lengths, history_columns, candidate_lengths, candida
             vmin, vmax = _id_range(values)
             if vmin < lo or vmax > hi:
                 raise ValueError(f"{key} id {vmin if vmin < lo else vmax} is outside the table range [{lo}, {hi}]")
+
+
+def _checked_sum(lengths: np.ndarray, what: str) -> int:
+    """The sum of non-negative lengths, or ValueError where it passes int64 (numpy's sum would wrap,
+    and a wrapped sum could match a column's size)."""
+    total = sum(lengths.tolist())
+    if total > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} lengths sum past 2**63 - 1")
+    return total
 
 
 def _id_range(t: torch.Tensor) -> tuple[int, int]:
@@ -268,7 +278,7 @@ def host_token_layout(history_lengths: torch.Tensor, history_columns: Sequence[t
             history_lengths, *cols, candidate_lengths, candidate_items, cached_lengths, max_positions)
         return TokenLayout(
             token_ids=ids, q_offsets=q_off,
-            max_q_len=int((nl + candidate_lengths).max()) if max_q_len is None else max_q_len,
+            max_q_len=(int((nl + candidate_lengths).max()) if nl.numel() else 0) if max_q_len is None else max_q_len,
             num_query_tokens=cand_rows.numel() + new_rows.numel(), history_lengths=history_lengths,
             new_lengths=nl, candidate_lengths=candidate_lengths, candidate_rows=cand_rows, new_rows=new_rows)
     return _numpy_layout(history_lengths, cols, candidate_lengths, candidate_items, cached_lengths, max_positions,
@@ -292,7 +302,7 @@ def _numpy_layout(history_lengths, history_columns, candidate_lengths, candidate
     if (ca < 0).any() or (ca > hl).any():
         b = int(np.nonzero((ca < 0) | (ca > hl))[0][0])
         raise ValueError(f"cached_lengths[{b}] = {int(ca[b])} is outside [0, {int(hl[b])}] (the history length)")
-    num_events, num_candidates = int(hl.sum()), int(cl.sum())
+    num_events, num_candidates = _checked_sum(hl, "history"), _checked_sum(cl, "candidate")
     for name, column, want, what in (("item", history_columns[0], num_events, "history"),
                                      ("action", history_columns[1], num_events, "history"),
                                      ("time", history_columns[2], num_events, "history"),
@@ -325,7 +335,7 @@ def _numpy_layout(history_lengths, history_columns, candidate_lengths, candidate
     return TokenLayout(
         token_ids=t(values).view(-1),
         q_offsets=t(q_off),
-        max_q_len=int(ql.max()) if max_q_len is None else max_q_len,
+        max_q_len=(int(ql.max()) if ql.size else 0) if max_q_len is None else max_q_len,
         num_query_tokens=n,
         history_lengths=history_lengths,
         new_lengths=t(nl),

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gr_plugin.csrc.core import build as core_build
-from gr_plugin.modules import tokens
 from gr_plugin.modules.tokens import _numpy_validate, host_token_layout, validate_ids
 
 
@@ -39,34 +38,44 @@ def assert_same(a, b):
             assert x == y, f.name
 
 
+def counting(monkeypatch, name):
+    """Route ``torch.ops.gr_kv_core.<name>`` through a counter; returns the list of its calls."""
+    calls, real = [], getattr(torch.ops.gr_kv_core, name)
+
+    class Ops:
+        pass
+
+    setattr(Ops, name, staticmethod(lambda *args: calls.append(args) or real(*args)))
+    monkeypatch.setattr(torch.ops, "gr_kv_core", Ops)
+    return calls
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_the_cpp_layout_equals_the_numpy_one(seed):
+def test_the_cpp_layout_equals_the_numpy_one(seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     bsz = [1, 2, 3, 8, 17, 1][seed]
     hl, cols, cl, cand, ca = batch(g, bsz)
+    hl[-1] = 0 if bsz > 1 else hl[-1]  # a user without history (the layout allows it; validation does not)
+    ca[-1] = min(int(ca[-1]), int(hl[-1]))
+    cols = tuple(c[: int(hl.sum())].clone() for c in cols)  # the columns of the shortened histories
+    calls = counting(monkeypatch, "token_layout")
+    runs = 0
     for cached in (ca, None):
         for max_positions, max_q in ((8192, None), (50, 999), (1, None)):  # 50 and 1: positions clipped
             got = host_token_layout(hl, cols, cl, cand, cached, max_positions, max_q)
             want = host_token_layout(hl, cols, cl, cand, cached, max_positions, max_q, native=False)
             assert_same(got, want)
-    stacked = torch.stack(cols)  # the [3, N] form of the columns
+            runs += 1
+    stacked = torch.stack(cols)  # the [3, N] form of the columns (build_token_layout's)
     assert_same(host_token_layout(hl, stacked, cl, cand, ca, 4096),
                 host_token_layout(hl, stacked, cl, cand, ca, 4096, native=False))
+    assert len(calls) == runs + 1  # every native=True call above went through the C++ op
 
 
 def test_the_cpp_layout_is_taken_where_it_can_be(monkeypatch):
     g = torch.Generator().manual_seed(7)
     hl, cols, cl, cand, ca = batch(g, 4)
-    calls = []
-    real = torch.ops.gr_kv_core.token_layout
-
-    class Ops:
-        @staticmethod
-        def token_layout(*args):
-            calls.append(args)
-            return real(*args)
-
-    monkeypatch.setattr(torch.ops, "gr_kv_core", Ops)
+    calls = counting(monkeypatch, "token_layout")
     host_token_layout(hl, cols, cl, cand, ca, 4096)
     assert len(calls) == 1
     strided = (torch.stack([cols[0], cols[0]], 1)[:, 0], cols[1], cols[2])  # a non-contiguous column: numpy
@@ -104,7 +113,6 @@ def test_bad_input_raises_the_same_error_both_ways(native, case):
     ca[1] = hl[1] - 1  # (so the mutations below are the only bad values)
     make, message = BAD[case]
     args = make(hl, cols, cl, cand, ca)
-    # the cached lengths in the case's last slot; cl shortened by one still sums right only by chance
     with pytest.raises(ValueError, match=message):
         host_token_layout(*args[:4], args[4], 4096, native=native)
     with pytest.raises(ValueError, match="max_positions must be at least 1, got 0"):
@@ -116,8 +124,10 @@ def test_bad_input_raises_the_same_error_both_ways(native, case):
 def test_an_empty_batch_and_a_user_with_nothing_to_compute():
     empty = torch.zeros(0, dtype=torch.int64)
     for native in (True, False):
-        got = host_token_layout(empty, (empty, empty, empty), empty, empty, empty, 4096, 0, native=native)
-        assert got.num_query_tokens == 0 and got.q_offsets.tolist() == [0] and got.token_ids.numel() == 0
+        for max_q in (0, None):
+            got = host_token_layout(empty, (empty, empty, empty), empty, empty, empty, 4096, max_q, native=native)
+            assert got.num_query_tokens == 0 and got.q_offsets.tolist() == [0] and got.token_ids.numel() == 0
+            assert got.max_q_len == 0
     one = torch.tensor([5])
     cols = (torch.arange(1, 6), torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.int64))
     got = host_token_layout(one, cols, torch.tensor([0]), empty, one, 4096, native=True)
@@ -125,8 +135,31 @@ def test_an_empty_batch_and_a_user_with_nothing_to_compute():
     assert_same(got, host_token_layout(one, cols, torch.tensor([0]), empty, one, 4096, native=False))
 
 
-def test_tokens_module_keeps_the_numpy_switch():
-    assert tokens._HOST_NUMPY  # the KJT path's host layouts go through host_token_layout
+@pytest.mark.parametrize("native", [True, False])
+def test_lengths_summing_past_int64_are_refused_before_anything_is_read(native):
+    """A wrapped sum could equal a column's size (here 0: empty columns) and let the fill run past it."""
+    huge = torch.full((4,), 2**62, dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int64)
+    ones = torch.ones(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"history lengths sum past 2\*\*63 - 1"):
+        host_token_layout(huge, (empty, empty, empty), ones, torch.ones(4, dtype=torch.int64), None, 4096,
+                          native=native)
+    with pytest.raises(ValueError, match=r"candidate lengths sum past 2\*\*63 - 1"):
+        host_token_layout(ones, (ones, ones, ones), huge, empty, None, 4096, native=native)
+    check = validate_ids if native else (lambda *a, **k: _numpy_validate(*a, *k.values()))
+    with pytest.raises(ValueError, match=r"history lengths sum past 2\*\*63 - 1"):
+        check(huge, (empty, empty, empty), ones, ones, **TABLES)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_with_several_bad_lengths_both_name_the_same_first_one(native):
+    hl, cl = torch.tensor([3, -1]), torch.tensor([-1, 1])
+    cols = tuple(torch.ones(2, dtype=torch.int64) for _ in range(3))
+    with pytest.raises(ValueError, match=r"history_lengths\[1\] = -1 is negative"):
+        host_token_layout(hl, cols, cl, torch.ones(0, dtype=torch.int64), torch.tensor([5, 0]), 4096, native=native)
+    with pytest.raises(ValueError, match=r"candidate_lengths\[0\] = -1 is negative"):
+        host_token_layout(torch.tensor([3, 1]), tuple(torch.ones(4, dtype=torch.int64) for _ in range(3)), cl,
+                          torch.ones(0, dtype=torch.int64), torch.tensor([5, 0]), 4096, native=native)
 
 
 TABLES = dict(num_items=999, num_actions=5, num_time_buckets=32)
@@ -172,16 +205,7 @@ def test_the_cpp_checks_pass_a_good_request_and_raise_the_reference_error_for_ea
     hl, cols, cl, cand, _ = batch(g, 5)
     cl = cl + 1  # at least one candidate each
     cand = torch.randint(1, 1000, (int(cl.sum()),), generator=g)
-    calls = []
-    real = torch.ops.gr_kv_core.validate_columns
-
-    class Ops:
-        @staticmethod
-        def validate_columns(*args):
-            calls.append(args)
-            return real(*args)
-
-    monkeypatch.setattr(torch.ops, "gr_kv_core", Ops)
+    calls = counting(monkeypatch, "validate_columns")
     assert checked(hl, cols, cl, cand) is None and len(calls) == 1
     for make, message in VALIDATE_BAD:
         got = checked(*make(hl, cols, cl, cand))

@@ -6,7 +6,8 @@
 // gr_plugin.modules.tokens.host_token_layout's numpy form (the reference the tests compare against);
 // this one does in one loop what that does in ~30 numpy calls, on the serving step's host path.
 // Bad input (a cached length outside [0, history length], negative lengths, columns whose sizes do not
-// match the lengths) raises ValueError naming the value; nothing is read out of bounds.
+// match the lengths, lengths summing past int64) raises ValueError naming the value; nothing is read
+// out of bounds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace gr_kv_core {
 namespace {
@@ -30,6 +32,21 @@ const int64_t* int64_data(const at::Tensor& t, const char* name) {
 
 at::Tensor longs(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kLong)); }
 
+std::vector<int64_t> lengths_of(const at::Tensor& t, const char* name) {
+  const int64_t* p = int64_data(t, name);
+  return std::vector<int64_t>(p, p + t.numel());
+}
+
+// The sum of non-negative lengths, or ValueError where it passes int64 (a wrapped sum could match a
+// column's size and let the fill run past it).
+int64_t checked_sum(const std::vector<int64_t>& lengths, const char* what) {
+  int64_t total = 0;
+  for (int64_t v : lengths) {
+    TORCH_CHECK_VALUE(!__builtin_add_overflow(total, v, &total), what, " lengths sum past 2**63 - 1");
+  }
+  return total;
+}
+
 // (token_ids [4 * N] (the [4, N] rows flattened), q_offsets [B+1], new_lengths [B], candidate_rows [C],
 // new_rows [sum(new_lengths)]) of the layout; N = sum(new_lengths + candidate_lengths).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_layout(
@@ -38,27 +55,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_lay
     const std::optional<at::Tensor>& cached_lengths, int64_t max_positions) {
   TORCH_CHECK_VALUE(max_positions >= 1, "max_positions must be at least 1, got ", max_positions);
   const int64_t bsz = history_lengths.numel();
-  const int64_t* hl = int64_data(history_lengths, "history_lengths");
-  const int64_t* cl = int64_data(candidate_lengths, "candidate_lengths");
-  TORCH_CHECK_VALUE(candidate_lengths.numel() == bsz, "candidate_lengths has ", candidate_lengths.numel(),
-                    " entries for ", bsz, " users");
-  const int64_t* ca = nullptr;
+  // NOTE: the lengths are copied once and read from the copies: another thread changing a tensor in
+  // place (the op runs without the GIL) cannot make the fill below disagree with the checks.
+  const std::vector<int64_t> hl = lengths_of(history_lengths, "history_lengths");
+  const std::vector<int64_t> cl = lengths_of(candidate_lengths, "candidate_lengths");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(cl.size()) == bsz, "candidate_lengths has ", cl.size(), " entries for ",
+                    bsz, " users");
+  std::vector<int64_t> ca(bsz, 0);
   if (cached_lengths.has_value()) {
-    ca = int64_data(*cached_lengths, "cached_lengths");
-    TORCH_CHECK_VALUE(cached_lengths->numel() == bsz, "cached_lengths has ", cached_lengths->numel(),
-                      " entries for ", bsz, " users");
+    ca = lengths_of(*cached_lengths, "cached_lengths");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(ca.size()) == bsz, "cached_lengths has ", ca.size(), " entries for ",
+                      bsz, " users");
   }
-  int64_t num_events = 0, num_candidates = 0, num_new = 0;
+  // the reference's order: every history length, every candidate length, every cached length
   for (int64_t b = 0; b < bsz; ++b) {
     TORCH_CHECK_VALUE(hl[b] >= 0, "history_lengths[", b, "] = ", hl[b], " is negative");
-    TORCH_CHECK_VALUE(cl[b] >= 0, "candidate_lengths[", b, "] = ", cl[b], " is negative");
-    const int64_t c = ca ? ca[b] : 0;
-    TORCH_CHECK_VALUE(c >= 0 && c <= hl[b], "cached_lengths[", b, "] = ", c, " is outside [0, ", hl[b],
-                      "] (the history length)");
-    num_events += hl[b];
-    num_candidates += cl[b];
-    num_new += hl[b] - c;
   }
+  for (int64_t b = 0; b < bsz; ++b) {
+    TORCH_CHECK_VALUE(cl[b] >= 0, "candidate_lengths[", b, "] = ", cl[b], " is negative");
+  }
+  for (int64_t b = 0; b < bsz; ++b) {
+    TORCH_CHECK_VALUE(ca[b] >= 0 && ca[b] <= hl[b], "cached_lengths[", b, "] = ", ca[b], " is outside [0, ", hl[b],
+                      "] (the history length)");
+  }
+  const int64_t num_events = checked_sum(hl, "history"), num_candidates = checked_sum(cl, "candidate");
+  const int64_t num_new = num_events - checked_sum(ca, "cached");
   const int64_t* cols[3] = {int64_data(items, "history items"), int64_data(actions, "history actions"),
                             int64_data(times, "history time buckets")};
   const char* names[3] = {"item", "action", "time"};
@@ -82,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_lay
   int64_t row = 0, h_off = 0, c_off = 0, n_off = 0;
   qo[0] = 0;
   for (int64_t b = 0; b < bsz; ++b) {
-    const int64_t cached = ca ? ca[b] : 0, fresh = hl[b] - cached;
+    const int64_t cached = ca[b], fresh = hl[b] - cached;
     nl[b] = fresh;
     const int64_t src = h_off + cached;
     for (int64_t j = 0; j < fresh; ++j, ++row) {
@@ -115,12 +136,12 @@ void validate_columns(const at::Tensor& history_lengths, const at::Tensor& items
   const at::Tensor* lengths[2] = {&history_lengths, &candidate_lengths};
   const char* what[2] = {"history", "candidates"};
   for (int k = 0; k < 2; ++k) {
-    const int64_t* l = int64_data(*lengths[k], k ? "candidate_lengths" : "history_lengths");
-    for (int64_t b = 0; b < lengths[k]->numel(); ++b) {
+    const std::vector<int64_t> l = lengths_of(*lengths[k], k ? "candidate_lengths" : "history_lengths");
+    for (size_t b = 0; b < l.size(); ++b) {
       TORCH_CHECK_VALUE(l[b] > 0, "user at batch index ", b, " has ", l[b], " ", what[k],
                         " events; at least 1 is required");
-      sums[k] += l[b];
     }
+    sums[k] = checked_sum(l, k ? "candidate" : "history");
   }
   struct Column {
     const char* key;
