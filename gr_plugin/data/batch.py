@@ -65,11 +65,15 @@ class RequestBatch:
             seen: set[int] = set()
             dup = next(u for u in users if u in seen or seen.add(u))
             raise ValueError(f"user {dup} appears more than once in one batch")
+        totals = {}
         for name, what in (
             ("history_lengths", "empty history (a ranking request needs at least one event)"),
             ("candidate_lengths", "no candidates"),
         ):
-            for u, n in zip(users, getattr(self, name).tolist()):
+            lengths = getattr(self, name).tolist()
+            # NOTE: summed as Python ints: an int64 sum could wrap past 2**63 and match a column's size
+            totals[name] = sum(lengths)
+            for u, n in zip(users, lengths):
                 if n < 0:
                     raise ValueError(f"negative {name} entry {n} for user {u}")
                 if n == 0:
@@ -77,12 +81,12 @@ class RequestBatch:
         for u, v in zip(users, self.visit_index.tolist()):
             if v < 0:
                 raise ValueError(f"negative visit_index {v} for user {u}")
-        total_history = int(self.history_lengths.sum())
+        total_history = totals["history_lengths"]
         for name in _HISTORY_FIELDS:
             n = getattr(self, name).numel()
             if n != total_history:
                 raise ValueError(f"{name} has {n} events but history_lengths sum to {total_history}")
-        total_candidates = int(self.candidate_lengths.sum())
+        total_candidates = totals["candidate_lengths"]
         if self.candidate_items.numel() != total_candidates:
             raise ValueError(
                 f"candidate_items has {self.candidate_items.numel()} items but candidate_lengths "

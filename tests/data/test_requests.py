@@ -314,6 +314,10 @@ def test_to_moves_every_tensor_without_revalidating() -> None:
             "history_items has 3 events but history_lengths sum to 4",
         ),
         ({"history_time_buckets": torch.tensor([0, 5])}, "history_time_buckets has 2 events"),
+        (  # summed as Python ints: an int64 sum would wrap to -2**63 (and with more users could match)
+            {"history_lengths": torch.tensor([2**62, 2**62])},
+            "history_items has 3 events but history_lengths sum to 9223372036854775808",
+        ),
         (
             {"candidate_lengths": torch.tensor([2, 2])},
             "candidate_items has 3 items but candidate_lengths sum to 4",
