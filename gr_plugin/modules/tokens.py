@@ -252,8 +252,9 @@ def build_token_layout(
 
 
 def _native_ready(tensors) -> bool:
-    """Whether the C++ layout can take these tensors: the core is loaded in this process (the cache
-    loads it) and each is a contiguous 1-D int64 CPU tensor."""
+    """Whether the C++ step-input ops (`validate_ids`, `host_token_layout`) can take these tensors:
+    the core is loaded in this process (the cache loads it) and each is a contiguous 1-D int64 CPU
+    tensor."""
     return core_build.loaded() and all(t.dtype is torch.int64 and t.dim() == 1 and t.device.type == "cpu"
                                        and t.is_contiguous() for t in tensors)
 
