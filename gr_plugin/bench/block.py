@@ -158,8 +158,8 @@ class Block:
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
-                                         num_history_tokens=meta.num_total_tokens)
-                y, normed = layer.finish_and_norm(y, u, a, next_layer(self.layers, i))
+                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u))
+                y, normed = layer.finish_gated_and_norm(y, a, next_layer(self.layers, i))
             return y
 
         hist = meta.max_total_len
@@ -233,10 +233,11 @@ class StaticStep:
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
-                                 max_history_len=self.max_hist, num_history_tokens=self.num_hist)
+                                 max_history_len=self.max_hist, num_history_tokens=self.num_hist,
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.blk.layers, i)
-        layer.finish_and_norm(self.ys[i], u, a, nxt, out=self.ys[i + 1],
-                              normed_out=None if nxt is None else self.normed[i + 1])
+        layer.finish_gated_and_norm(self.ys[i], a, nxt, out=self.ys[i + 1],
+                                    normed_out=None if nxt is None else self.normed[i + 1])
 
     def load(self, plan) -> None:
         meta = plan.metadata

@@ -161,9 +161,11 @@ class CachedStackGraphs:
         self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
-                                 max_q_len=b.max_q, max_history_len=self._max_history, num_history_tokens=0)
+                                 max_q_len=b.max_q, max_history_len=self._max_history, num_history_tokens=0,
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.model.layers, i)
-        layer.finish_and_norm(b.ys[i], u, a, nxt, out=b.ys[i + 1], normed_out=None if nxt is None else b.normed[i + 1])
+        layer.finish_gated_and_norm(b.ys[i], a, nxt, out=b.ys[i + 1],
+                                    normed_out=None if nxt is None else b.normed[i + 1])
 
     def _head(self, b: _Bucket) -> torch.Tensor:
         return self.model.head_rows(b.ys[-1], b.view("cand_rows"))

@@ -33,7 +33,7 @@ from gr_plugin.modules.tokens import (
     validate_values,
 )
 from gr_plugin.ops import hstu_attention_jagged
-from gr_plugin.ops.norm import add_layer_norm, layer_norm_mul
+from gr_plugin.ops.norm import NormGate, add_layer_norm, layer_norm_mul
 
 if TYPE_CHECKING:
     from gr_plugin.cache import BatchPlan
@@ -113,8 +113,7 @@ class HSTULayer(nn.Module):
     def finish(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``x + output(LayerNorm(attn) * u)``, written into ``out`` when given (a static buffer)."""
-        y = self._output(u, attn)
-        return x + y if out is None else torch.add(x, y, out=out)
+        return self.finish_gated_and_norm(x, self._gate(u, attn), None, out)[0]
 
     def finish_and_norm(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, following: HSTULayer | None,
                         out: torch.Tensor | None = None,
@@ -122,14 +121,28 @@ class HSTULayer(nn.Module):
         """`finish` and the next layer's input norm of its result, ``(y, following.input_norm(y))``
         (``None`` for the last layer), into ``out`` / ``normed_out`` when given: one pass on CUDA
         inference (`gr_plugin.ops.norm`); the next layer's `project` takes it as ``normed``."""
-        if following is None:
-            return self.finish(x, u, attn, out), None
-        n = following.input_norm
-        return add_layer_norm(x, self._output(u, attn), n.weight, n.bias, n.eps, out=out, normed_out=normed_out)
+        return self.finish_gated_and_norm(x, self._gate(u, attn), following, out, normed_out)
 
-    def _output(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def norm_gate(self, u: torch.Tensor) -> NormGate:
+        """``LayerNorm(attn) * u`` as the epilogue a cached attention takes (`KVCacheModule.attend`'s
+        ``norm_gate``): its result goes to `finish_gated_and_norm`."""
         n = self.attn_norm
-        return self.dropout(self.output(layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)))
+        return NormGate(n.weight, n.bias, n.eps, u)
+
+    def finish_gated_and_norm(self, x: torch.Tensor, gated: torch.Tensor, following: HSTULayer | None,
+                              out: torch.Tensor | None = None,
+                              normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`finish_and_norm` from ``gated = LayerNorm(attn) * u`` (an attention op's `norm_gate`
+        epilogue) on."""
+        y = self.dropout(self.output(gated))
+        if following is None:
+            return (x + y if out is None else torch.add(x, y, out=out)), None
+        n = following.input_norm
+        return add_layer_norm(x, y, n.weight, n.bias, n.eps, out=out, normed_out=normed_out)
+
+    def _gate(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        n = self.attn_norm
+        return layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)
 
     def attend_jagged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The full pass's attention over ``layout`` (history then candidates per user)."""
@@ -238,8 +251,9 @@ class HSTURanker(nn.Module):
         x, normed = self._embed(layout), None
         for i, layer in enumerate(self.layers):
             u, q, k, v = layer.project(x, normed)
-            attn = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm)
-            x, normed = layer.finish_and_norm(x, u, attn, next_layer(self.layers, i))
+            gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
+                                 norm_gate=layer.norm_gate(u))
+            x, normed = layer.finish_gated_and_norm(x, gated, next_layer(self.layers, i))
         return self._head(x, layout)
 
     def validate(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor) -> None:

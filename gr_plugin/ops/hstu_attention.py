@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from gr_plugin.ops import norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
 
 
@@ -58,9 +59,23 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
 def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
-                         max_q_len: int, max_history_len: int, num_history_tokens: int) -> torch.Tensor:
-    """Cached-step HSTU attention over paged history K/V; see the reference for the semantics."""
-    impl = _triton_ops() if _use_triton(q, k, v, kv_layer) else _ref
-    return impl.paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets,
-                                     new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=max_q_len,
-                                     max_history_len=max_history_len, num_history_tokens=num_history_tokens)
+                         max_q_len: int, max_history_len: int, num_history_tokens: int,
+                         norm_gate: norm.NormGate | None = None) -> torch.Tensor:
+    """Cached-step HSTU attention over paged history K/V ``[Nq, H, D]``; see the reference for the
+    semantics. With ``norm_gate`` it returns ``norm.layer_norm_mul(out.flatten(1), *norm_gate)``
+    ``[Nq, H*D]``: the same bits; where the Triton kernel and the fused norm both serve, a launch
+    split over the keys adds its fp32 parts inside the norm's pass instead of writing the output
+    and reading it back (one kernel fewer)."""
+    triton_attention = _use_triton(q, k, v, kv_layer)
+    impl = _triton_ops() if triton_attention else _ref
+    args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
+    sizes = dict(alpha=alpha, n_norm=n_norm, max_q_len=max_q_len, max_history_len=max_history_len,
+                 num_history_tokens=num_history_tokens)
+    if norm_gate is None:
+        return impl.paged_hstu_attention(*args, **sizes)
+    weight, bias, eps, u = norm_gate
+    if (triton_attention and norm.use_fused(q, weight, bias, u) and norm.kernel_serves(q, u)
+            and u.shape == (q.shape[0], q.shape[1] * q.shape[2])):
+        return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate))
+    out = impl.paged_hstu_attention(*args, **sizes)
+    return norm.layer_norm_mul(out.reshape(out.shape[0], -1), weight, bias, eps, u)

@@ -1,7 +1,8 @@
 """Dispatch of the HSTU layer's fused norms: the Triton kernels for CUDA inference, else the torch
 ops, which also define the semantics.
 - ``layer_norm_mul``: ``LayerNorm(a) * u`` (the norm of the attention output, gated by ``u``);
-- ``add_layer_norm``: the residual add ``y = x + o`` and the next layer's input norm of ``y``.
+- ``add_layer_norm``: the residual add ``y = x + o`` and the next layer's input norm of ``y``;
+- ``NormGate``: the first as an attention op's epilogue (the split attention adds its parts in it).
 
 The torch form serves autograd (training), CPU tensors and graph capture by ``torch.compile`` /
 ``torch.export`` (Inductor fuses it there itself, and the exported graph stays free of Python
@@ -12,9 +13,20 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class NormGate(NamedTuple):
+    """The HSTU layer's ``LayerNorm(a; weight, bias, eps) * u`` as an epilogue an attention op takes
+    (`gr_plugin.ops.paged_hstu_attention`'s ``norm_gate``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+    u: torch.Tensor
 
 
 @functools.cache
@@ -37,7 +49,7 @@ def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.T
         raise ValueError(f"{nu} is on {u.device}, {na} is on {a.device}")
 
 
-def _kernel_serves(*ts: torch.Tensor | None) -> bool:
+def kernel_serves(*ts: torch.Tensor | None) -> bool:
     """One dtype (mixed ones, e.g. an fp32 residual stream and bf16 matmul outputs under autocast,
     take the torch form, which promotes) and contiguous rows."""
     ts = tuple(t for t in ts if t is not None)
@@ -60,7 +72,7 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     _check(a, weight, bias, u)
     if fused is None:
         fused = use_fused(a, weight, bias, u)
-    if fused and _kernel_serves(a, u):
+    if fused and kernel_serves(a, u):
         return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u)
     return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * u
 
@@ -78,7 +90,7 @@ def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias:
                              f"{t.dtype} on {t.device}")
     if fused is None:
         fused = use_fused(x, o, weight, bias)
-    if fused and _kernel_serves(x, o, out, normed_out):
+    if fused and kernel_serves(x, o, out, normed_out):
         return _triton_kernels().add_layer_norm(x, o, weight, bias, eps, out, normed_out)
     y = x + o if out is None else torch.add(x, o, out=out)
     z = F.layer_norm(y, (y.shape[1],), weight, bias, eps)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import table_layout
+from gr_plugin.ops.triton import layer_norm, table_layout
 
 
 @triton.jit
@@ -484,13 +484,17 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
-    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`."""
+    ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
+    ``(weight, bias, eps, u)``, which returns ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]`` instead
+    (the HSTU layer's norm and gate; a split launch adds its parts inside the norm's pass)."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
+    if norm_gate is not None:
+        _check_norm_gate(norm_gate, q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
@@ -527,7 +531,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate)
     if num_splits == 1:
         out = target = torch.empty_like(q)
     else:
@@ -574,10 +578,33 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
+        if norm_gate is not None:
+            weight, bias, eps, u = norm_gate
+            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype)
         n = out.numel()
         _sum_parts[(triton.cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
                                                   BLOCK=_SUM_BLOCK)
-    return out
+    return _gated(out, norm_gate)
+
+
+def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:
+    """``(weight, bias, eps, u)`` for the ``[Nq, H, D]`` queries ``q``: ``u [Nq, H*D]`` of ``q``'s dtype
+    and device with contiguous columns, ``weight`` and ``bias [H*D]``."""
+    weight, bias, _, u = norm_gate
+    nq, n = q.shape[0], q.shape[1] * q.shape[2]
+    if u.shape != (nq, n) or u.dtype != q.dtype or u.device != q.device or u.stride(-1) != 1:
+        raise ValueError(f"norm_gate's u must be [{nq}, {n}] {q.dtype} on {q.device} with contiguous columns, got "
+                         f"{tuple(u.shape)} {u.dtype} on {u.device}, strides {u.stride()}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.shape != (n,) or t.device != q.device:
+            raise ValueError(f"norm_gate's {name} must be [{n}] on {q.device}, got {tuple(t.shape)} on {t.device}")
+
+
+def _gated(out: torch.Tensor, norm_gate) -> torch.Tensor:
+    if norm_gate is None:
+        return out
+    weight, bias, eps, u = norm_gate
+    return layer_norm.layer_norm_mul(out.view(out.shape[0], -1), weight, bias, eps, u)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,

@@ -5,6 +5,9 @@ Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch f
   is read once, normalised in fp32, scaled and shifted, multiplied by the row of ``u`` and rounded
   once (torch rounds the norm's output before the product; the difference is within the output's
   rounding).
+- ``sum_layer_norm_mul``: ``layer_norm_mul`` of the sum of a split attention's fp32 parts, added
+  in split order and rounded to the output's dtype as the attention's own sum rounds them (same bits
+  as that sum followed by ``layer_norm_mul``), without the attention's output written and read back.
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
 Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
@@ -50,6 +53,41 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     block = triton.next_power_of_2(n)
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
                   num_warps=4 if block <= 1024 else 8)
+    return out
+
+
+@triton.jit
+def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
+                BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < N
+    # rows past the last user's are no program's (`_sum_parts`): their sum is 0
+    live = ok & (row < tl.load(q_offsets + bsz).to(tl.int64))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = Part + row * N + c
+    for _ in range(splits):
+        acc += tl.load(ptrs, mask=live, other=0.0)
+        ptrs += n_part
+    a = acc.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the attention's output is
+    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
+    tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
+
+
+def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, weight: torch.Tensor,
+                       bias: torch.Tensor, eps: float, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``LayerNorm(a; weight, bias, eps) * u`` with ``a`` = the sum over splits of ``parts [S, M, ...]``
+    (fp32, contiguous, each row ``N`` = ``u``'s columns; rows at or past ``q_offsets[bsz]`` count as
+    0) rounded to ``dtype``; a new contiguous ``[M, N]`` tensor of ``dtype``."""
+    splits, m = parts.shape[0], parts.shape[1]
+    n = u.shape[1]
+    out = torch.empty((m, n), dtype=dtype, device=u.device)
+    if m == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    _sum_ln_mul[(m,)](parts, u, weight, bias, out, q_offsets, bsz, parts[0].numel(), splits, u.stride(0),
+                      out.stride(0), float(eps), N=n, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
 
 

@@ -1,0 +1,185 @@
+"""The cached attention's ``norm_gate`` epilogue (``LayerNorm(attn) * u``, the HSTU layer's norm
+and gate): a launch split over the keys adds its fp32 parts inside the norm's pass
+(`layer_norm.sum_layer_norm_mul`) instead of writing the attention's output and reading it back.
+It must give the same bits as the attention followed by the norm, on every path that takes it."""
+
+import pytest
+import torch
+
+from gr_plugin import ops
+from gr_plugin.ops import norm
+from gr_plugin.ops.pytorch import hstu_attention as ref
+from gr_plugin.ops.triton import hstu_attention as tri
+from gr_plugin.ops.triton import layer_norm
+
+from .test_triton_attention import ALPHA, NORM, build, run
+
+CASE = ([37, 0, 90], [3, 2, 1], [20, 0, 64])  # mixed users, an empty history, partial last pages
+
+
+def gate_for(q, seed=1):
+    """A `NormGate` for queries ``q [N, H, D]``: ``u`` a strided column chunk, as the projection hands it over."""
+    g = torch.Generator().manual_seed(seed)
+    n = q.shape[1] * q.shape[2]
+    u = torch.randn(q.shape[0], 4 * n, generator=g).to(dtype=q.dtype, device=q.device)[:, n : 2 * n]
+    w = (torch.randn(n, generator=g) * 0.2 + 1).to(dtype=q.dtype, device=q.device)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype=q.dtype, device=q.device)
+    return norm.NormGate(w, b, 1e-5, u)
+
+
+def with_padding(paged, rows=3):
+    """Query rows past the last user's (as a graph bucket pads): no program owns them."""
+    args = dict(paged)
+    for name in ("q", "k", "v"):
+        args[name] = torch.cat([args[name], torch.full((rows, *args[name].shape[1:]), 7.0, dtype=args[name].dtype)])
+    return args
+
+
+def attention_then_norm(args, gate, **launch):
+    a = run(tri, "paged", {**args, **launch})
+    return layer_norm.layer_norm_mul(a.view(a.shape[0], -1), gate.weight, gate.bias, gate.eps, gate.u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_interpreter_epilogue_gives_the_bits_of_attention_then_norm(dtype, splits):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    _, paged = build(*CASE, 8, 2, 16, dtype, "cpu")
+    args = with_padding(paged)
+    gate = gate_for(args["q"])
+    n = paged["q"].shape[0]
+    got = run(tri, "paged", {**args, "num_splits": splits, "norm_gate": tuple(gate)})
+    want = attention_then_norm(args, gate, num_splits=splits)
+    assert got.shape == (n + 3, 32) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got[:n], want[:n])
+    if splits > 1:  # a split launch's padding rows sum to 0 both ways (one split leaves them unwritten)
+        assert torch.equal(got[n:], want[n:])
+    # and it is the reference attention's norm, to the kernel's rounding
+    a = run(ref, "paged", paged, torch.float32)
+    w = gate.u[:n].float()
+    expect = torch.nn.functional.layer_norm(a.reshape(n, -1), (32,), gate.weight.float(), gate.bias.float(), 1e-5) * w
+    torch.testing.assert_close(got[:n].float(), expect, rtol=0, atol=1e-4 if dtype == torch.float32 else 3e-2)
+
+
+def test_interpreter_epilogue_of_an_empty_batch():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    args = {**paged, "q_offsets": paged["q_offsets"][:1], "history_lengths": paged["history_lengths"][:0],
+            "new_lengths": paged["new_lengths"][:0], "kv_indptr": paged["kv_indptr"][:1]}
+    gate = gate_for(args["q"])
+    got = run(tri, "paged", {**args, "num_splits": 3, "norm_gate": tuple(gate)})
+    zero = torch.zeros(args["q"].shape[0], 32)
+    want = torch.nn.functional.layer_norm(zero, (32,), gate.weight, gate.bias, 1e-5) * gate.u
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("field", "bad", "match"), [
+    ("u", lambda u: u[:-1],
+     r"norm_gate's u must be \[49, 32\] torch.float32 on cpu with contiguous columns, got \(48, 32\)"),
+    ("u", lambda u: u.half(), r"got \(49, 32\) torch.float16"),
+    ("u", lambda u: u.t().contiguous().t(), r"strides \(1, 49\)"),
+    ("weight", lambda w: w[:-1], r"norm_gate's weight must be \[32\] on cpu, got \(31,\)"),
+    ("bias", lambda b: b.view(2, 16), r"norm_gate's bias must be \[32\] on cpu, got \(2, 16\)"),
+])
+def test_bad_norm_gate_is_named(field, bad, match):
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    gate = gate_for(paged["q"])
+    gate = gate._replace(**{field: bad(getattr(gate, field))})
+    with pytest.raises(ValueError, match=match):
+        run(tri, "paged", {**paged, "num_splits": 2, "norm_gate": tuple(gate)})
+
+
+def dispatch(paged, gate=None):
+    a = dict(paged)
+    pos = [a.pop(k) for k in ("q", "k", "v", "kv_layer", "kv_indices", "kv_indptr", "history_lengths", "q_offsets",
+                              "new_lengths")]
+    return ops.paged_hstu_attention(*pos, alpha=ALPHA, n_norm=NORM, norm_gate=gate, **a)
+
+
+def test_dispatch_without_the_kernels_is_the_attention_then_the_torch_norm(monkeypatch):
+    """On CPU (the reference attention, the torch norm) the epilogue is the two ops in turn, and a
+    bad ``u`` is named by the norm's own check."""
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "reference")
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    gate = gate_for(paged["q"])
+    a = dispatch(paged)
+    assert torch.equal(dispatch(paged, gate), norm.layer_norm_mul(a.reshape(a.shape[0], -1), *gate))
+    with pytest.raises(ValueError, match=r"a and u must be \[M, N\] of one shape, got \(49, 32\) and \(48, 32\)"):
+        dispatch(paged, gate._replace(u=gate.u[:-1]))
+
+
+@pytest.mark.parametrize("fused_norm", [True, False])
+def test_dispatch_fuses_the_parts_only_where_both_kernels_serve(monkeypatch, fused_norm):
+    """With the Triton attention and the fused norm both serving, a split launch runs
+    `sum_layer_norm_mul` (counted) and gives the bits of the two kernels in turn; with the torch
+    norm (``GR_PLUGIN_FUSED_NORM=0``-like) it does not, and gives the torch norm's result."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    monkeypatch.setattr(norm, "use_fused", lambda *a: fused_norm)
+    monkeypatch.setattr(tri, "_default_splits", lambda *a: 3)
+    calls = []
+    real = layer_norm.sum_layer_norm_mul
+    monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    gate = gate_for(paged["q"])
+    got = dispatch(paged, gate)
+    a = dispatch(paged)
+    assert len(calls) == (1 if fused_norm else 0)
+    assert torch.equal(got, norm.layer_norm_mul(a.reshape(a.shape[0], -1), *gate, fused=fused_norm))
+
+
+def test_model_cached_pass_with_the_epilogue_equals_the_full_pass(monkeypatch):
+    """The model's cached loop (`HSTURanker.forward_cached`) hands each layer's norm and gate to the
+    attention: with the Triton kernels in the interpreter and a split launch, the parts' fused sum
+    runs and the cached scores equal the full pass's (fp32)."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    from tests.modules.helpers import cached_scores, full_scores, tiny_cache, tiny_model
+    from tests.ops.test_norm import _users_and_candidates
+
+    model = tiny_model(0, head_dim=16).eval()
+    users, cands = _users_and_candidates()
+    cache = tiny_cache(model)
+    cached_scores(model, cache, users, cands)
+    for user in users:
+        user.grow(3)
+    cands = [user.candidates(4) for user in users]
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    monkeypatch.setattr(norm, "use_fused", lambda *a: True)
+    monkeypatch.setattr(tri, "_default_splits", lambda *a: 2)
+    calls = []
+    real = layer_norm.sum_layer_norm_mul
+    monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
+    got, plan = cached_scores(model, cache, users, cands)
+    assert sum(plan.cached_lengths) > 0 and len(calls) == model.config.num_layers
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "reference")
+    torch.testing.assert_close(got, full_scores(model, users, cands), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dim", "page_size"), [(128, 128), (256, 32), (64, 16)])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, splits):
+    """bf16 on the GPU, the split count by the rule (None) or forced, eager and graphed."""
+    hist, cand, cached = [4096, 300, 1000], [256, 1, 40], [3968, 0, 1000]
+    _, paged = build(hist, cand, cached, page_size, 4, dim, torch.bfloat16, "cuda")
+    args = with_padding(paged, 5)
+    gate = gate_for(args["q"])
+    launch = {} if splits is None else {"num_splits": splits}
+    want = attention_then_norm(args, gate, **launch)
+    got = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
+    n = paged["q"].shape[0]
+    assert torch.equal(got[:n], want[:n])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # captured as the graph buckets launch it (full key blocks by TMA)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[:n], want[:n])
