@@ -31,7 +31,8 @@ def with_padding(paged, rows=3):
     """Query rows past the last user's (as a graph bucket pads): no program owns them."""
     args = dict(paged)
     for name in ("q", "k", "v"):
-        args[name] = torch.cat([args[name], torch.full((rows, *args[name].shape[1:]), 7.0, dtype=args[name].dtype)])
+        args[name] = torch.cat([args[name], torch.full((rows, *args[name].shape[1:]), 7.0, dtype=args[name].dtype,
+                                                           device=args[name].device)])
     return args
 
 
