@@ -174,13 +174,17 @@ def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, spli
     got = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
     n = paged["q"].shape[0]
     assert torch.equal(got[:n], want[:n])
+    # graphed as the buckets launch it (full key blocks through TMA), both forms in one graph: the
+    # descriptor loads may round differently from eager pointer loads (head_dim 256), never between forms
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # captured as the graph buckets launch it (full key blocks by TMA)
+    with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             captured = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
+            captured_want = attention_then_norm(args, gate, **launch)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured[:n], want[:n])
+    assert torch.equal(captured[:n], captured_want[:n])
+    torch.testing.assert_close(captured[:n].float(), want[:n].float(), rtol=0, atol=3e-2)
