@@ -63,9 +63,9 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          norm_gate: norm.NormGate | None = None) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``[Nq, H, D]``; see the reference for the
     semantics. With ``norm_gate`` it returns ``norm.layer_norm_mul(out.flatten(1), *norm_gate)``
-    ``[Nq, H*D]``: the same bits; where the Triton kernel and the fused norm both serve, a launch
-    split over the keys adds its fp32 parts inside the norm's pass instead of writing the output
-    and reading it back (one kernel fewer)."""
+    ``[Nq, H*D]`` (to one rounding step, `triton.layer_norm.sum_layer_norm_mul`). Where the Triton
+    kernel and the fused norm both serve, a launch split over the keys adds its fp32 parts inside
+    the norm's pass instead of writing the output and reading it back (one kernel fewer)."""
     triton_attention = _use_triton(q, k, v, kv_layer)
     impl = _triton_ops() if triton_attention else _ref
     args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)

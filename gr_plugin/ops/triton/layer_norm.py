@@ -6,8 +6,11 @@ Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch f
   once (torch rounds the norm's output before the product; the difference is within the output's
   rounding).
 - ``sum_layer_norm_mul``: ``layer_norm_mul`` of the sum of a split attention's fp32 parts, added
-  in split order and rounded to the output's dtype as the attention's own sum rounds them (same bits
-  as that sum followed by ``layer_norm_mul``), without the attention's output written and read back.
+  in split order and rounded to the output's dtype as the attention's own sum rounds them, without
+  the attention's output written and read back. The same math as that sum followed by
+  ``layer_norm_mul``, not always the same bits: the compiler may order the norm's fp32 sums over a
+  row of fp32 parts differently from a row of 16-bit values (on the H200 at rows of 1024, where a
+  few outputs land one rounding step apart; at 512 the bits are equal).
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
 Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
