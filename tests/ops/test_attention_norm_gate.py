@@ -52,7 +52,7 @@ def attention_then_norm(args, gate, **launch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("splits", [1, 2, 5, 7])  # 7: a second round of four loads, two past the last
 def test_interpreter_epilogue_gives_the_bits_of_attention_then_norm(dtype, splits):
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU")

@@ -116,7 +116,7 @@ def test_schedule_is_checked(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["jagged", "paged"])
-@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("splits", [2, 5, 7])
 def test_interpreter_split_parts(which, splits):
     """The split grid writes each key split's fp32 part to its own slice and `_sum_parts` adds them
     in split order: equal to the reference. Query rows past the last user's (trailing rows no user

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from gr_plugin.ops.triton import layer_norm, table_layout
+from gr_plugin.ops.triton.parts import sum_splits
 
 
 @triton.jit
@@ -305,11 +306,7 @@ def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.c
     last user's (trailing rows no user owns, which no program writes) are 0."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = (offs < tl.load(q_offsets + bsz).to(tl.int64) * row_elems) & (offs < n_part)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = Part + offs
-    for _ in range(splits):
-        acc += tl.load(ptrs, mask=live, other=0.0)
-        ptrs += n_part
+    acc = sum_splits(Part + offs, live, splits, n_part)
     tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=offs < n_part)
 
 

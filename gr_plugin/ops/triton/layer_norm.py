@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.triton.parts import sum_splits
+
 
 @triton.jit
 def _layer_norm_row(x, ok, W, B, c, eps, N: tl.constexpr):
@@ -67,11 +69,7 @@ def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, st
     ok = c < N
     # rows past the last user's are no program's (`_sum_parts`): their sum is 0
     live = ok & (row < tl.load(q_offsets + bsz).to(tl.int64))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = Part + row * N + c
-    for _ in range(splits):
-        acc += tl.load(ptrs, mask=live, other=0.0)
-        ptrs += n_part
+    acc = sum_splits(Part + row * N + c, live, splits, n_part)
     a = acc.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the attention's output is
     u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
