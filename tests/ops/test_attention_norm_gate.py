@@ -121,6 +121,18 @@ def test_dispatch_without_the_kernels_is_the_attention_then_the_torch_norm(monke
         dispatch(paged, gate._replace(u=gate.u[:-1]))
 
 
+def triton_kernels_with_splits(monkeypatch, splits, fused_norm=True):
+    """The Triton attention (interpreter) split ``splits`` ways, the fused norm on or off; returns
+    the list that counts `sum_layer_norm_mul`'s calls."""
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    monkeypatch.setattr(norm, "use_fused", lambda *a: fused_norm)
+    monkeypatch.setattr(tri, "_default_splits", lambda *a: splits)
+    calls = []
+    real = layer_norm.sum_layer_norm_mul
+    monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("fused_norm", [True, False])
 def test_dispatch_fuses_the_parts_only_where_both_kernels_serve(monkeypatch, fused_norm):
     """With the Triton attention and the fused norm both serving, a split launch runs
@@ -128,12 +140,7 @@ def test_dispatch_fuses_the_parts_only_where_both_kernels_serve(monkeypatch, fus
     norm (``GR_PLUGIN_FUSED_NORM=0``-like) it does not, and gives the torch norm's result."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU")
-    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
-    monkeypatch.setattr(norm, "use_fused", lambda *a: fused_norm)
-    monkeypatch.setattr(tri, "_default_splits", lambda *a: 3)
-    calls = []
-    real = layer_norm.sum_layer_norm_mul
-    monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
+    calls = triton_kernels_with_splits(monkeypatch, 3, fused_norm)
     _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
     gate = gate_for(paged["q"])
     got = dispatch(paged, gate)
@@ -158,12 +165,7 @@ def test_model_cached_pass_with_the_epilogue_equals_the_full_pass(monkeypatch):
     for user in users:
         user.grow(3)
     cands = [user.candidates(4) for user in users]
-    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
-    monkeypatch.setattr(norm, "use_fused", lambda *a: True)
-    monkeypatch.setattr(tri, "_default_splits", lambda *a: 2)
-    calls = []
-    real = layer_norm.sum_layer_norm_mul
-    monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
+    calls = triton_kernels_with_splits(monkeypatch, 2)
     got, plan = cached_scores(model, cache, users, cands)
     assert sum(plan.cached_lengths) > 0 and len(calls) == model.config.num_layers
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "reference")
