@@ -142,7 +142,7 @@ class HSTULayer(nn.Module):
 
     def _gate(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         n = self.attn_norm
-        return layer_norm_mul(attn.reshape(attn.shape[0], -1), n.weight, n.bias, n.eps, u)
+        return layer_norm_mul(attn.flatten(1), n.weight, n.bias, n.eps, u)
 
     def attend_jagged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The full pass's attention over ``layout`` (history then candidates per user)."""

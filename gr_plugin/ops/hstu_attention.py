@@ -78,4 +78,4 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
             and u.shape == (q.shape[0], q.shape[1] * q.shape[2])):
         return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate))
     out = impl.paged_hstu_attention(*args, **sizes)
-    return norm.layer_norm_mul(out.reshape(out.shape[0], -1), weight, bias, eps, u)
+    return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)

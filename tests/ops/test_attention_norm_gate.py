@@ -86,6 +86,28 @@ def test_interpreter_epilogue_of_an_empty_batch():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_interpreter_epilogue_of_no_query_rows_and_of_head_major_queries(splits):
+    """No query rows: an empty ``[0, H*D]``, as the op without the gate returns an empty ``[0, H, D]``.
+    Queries laid out head-major (``[H, N, D]`` seen as ``[N, H, D]``), which the kernel reads: the
+    output takes that layout and the gate still reads it as rows."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    launch = {} if splits is None else {"num_splits": splits}
+    empty = {**paged, **{k: paged[k][:0] for k in ("q", "k", "v")}, "q_offsets": torch.zeros_like(paged["q_offsets"]),
+             "new_lengths": torch.zeros_like(paged["new_lengths"])}
+    gate = gate_for(empty["q"])
+    assert run(tri, "paged", {**empty, **launch, "norm_gate": tuple(gate)}).shape == (0, 32)
+    args = dict(paged)
+    for name in ("q", "k", "v"):
+        args[name] = args[name].transpose(0, 1).contiguous().transpose(0, 1)
+    gate = gate_for(args["q"])
+    got = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
+    a = run(tri, "paged", {**args, **launch})
+    assert torch.equal(got, layer_norm.layer_norm_mul(a.reshape(a.shape[0], -1), *gate))
+
+
 @pytest.mark.parametrize(("field", "bad", "match"), [
     ("u", lambda u: u[:-1],
      r"norm_gate's u must be \[49, 32\] torch.float32 on cpu with contiguous columns, got \(48, 32\)"),
@@ -147,6 +169,36 @@ def test_dispatch_fuses_the_parts_only_where_both_kernels_serve(monkeypatch, fus
     a = dispatch(paged)
     assert len(calls) == (1 if fused_norm else 0)
     assert torch.equal(got, norm.layer_norm_mul(a.reshape(a.shape[0], -1), *gate, fused=fused_norm))
+
+
+@pytest.mark.parametrize("odd_u", ["dtype", "strided columns"])
+def test_dispatch_takes_the_unfused_form_for_a_gate_the_kernel_cannot_read(monkeypatch, odd_u):
+    """A ``u`` of another dtype (autocast's mixed types) or with strided columns: the attention,
+    then `norm.layer_norm_mul` (which promotes / reads any strides); the fused sum is not run."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    calls = triton_kernels_with_splits(monkeypatch, 3)
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    gate = gate_for(paged["q"])
+    u = gate.u.double() if odd_u == "dtype" else torch.randn(gate.u.shape[0], 64)[:, ::2]
+    gate = gate._replace(u=u)
+    got = dispatch(paged, gate)
+    a = dispatch(paged)
+    assert not calls
+    assert torch.equal(got, norm.layer_norm_mul(a.flatten(1), *gate))
+
+
+def test_dispatch_names_a_gate_of_the_wrong_shape_as_the_norm_does(monkeypatch):
+    """With both kernels serving, a ``u`` of the wrong shape gets the norm's own error, the same
+    message as on the unfused path; the fused sum is not run."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    calls = triton_kernels_with_splits(monkeypatch, 3)
+    _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
+    gate = gate_for(paged["q"])
+    with pytest.raises(ValueError, match=r"a and u must be \[M, N\] of one shape, got \(49, 32\) and \(49, 31\)"):
+        dispatch(paged, gate._replace(u=gate.u[:, :31]))
+    assert not calls
 
 
 def test_model_cached_pass_with_the_epilogue_equals_the_full_pass(monkeypatch):

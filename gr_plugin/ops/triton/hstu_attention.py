@@ -212,7 +212,7 @@ def _hstu_fwd(
     if not STREAM:
         # one (query block, key split) per program, grid (m_blocks * splits, bsz, heads). With
         # splits > 1 each split's part goes to its own fp32 slice of Out (split stride ``stride_os``),
-        # summed by `_sum_parts`.
+        # summed by `_sum_parts` (or by the norm's pass, `layer_norm._sum_ln_mul`, given a norm_gate).
         pid_m = tl.program_id(0) // splits
         split = tl.program_id(0) % splits
         b = tl.program_id(1)
@@ -447,7 +447,7 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
     """Key splits per query block for the split grid: with few query blocks (small batches, short
     queries) most SMs would sit idle while each program walks the whole history, so the keys are
     cut into up to one wave of programs (`_resident` per SM), each with at least `MIN_SPLIT_BLOCKS`
-    key blocks. Each split writes its own fp32 part, summed by `_sum_parts`.
+    key blocks. Each split writes its own fp32 part, summed by `_sum_parts` or the norm gate's pass.
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention.py splits`, docs/BENCHMARKS.md):
     - past one wave is slower (a part-full second wave), e.g. bs 8, 4096 history, head_dim 128
@@ -532,7 +532,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if num_splits == 1:
         out = target = torch.empty_like(q)
     else:
-        # NOTE: one fp32 slice per split, summed in split order by `_sum_parts`: no zero fill, no
+        # NOTE: one fp32 slice per split, summed in split order (`_sum_parts`, or `_sum_ln_mul` given a
+        # norm_gate): no zero fill, no
         # atomics, the same bits every run. Measured on the H200 against fp32 atomic adds into a
         # zeroed output (docs/BENCHMARKS.md, commit a3ffa4b): bs 1 / 4096 history / head_dim 128
         # 0.019 vs 0.027 ms, bs 2 0.027 vs 0.035, head_dim 256 bs 2 0.066 vs 0.089.
@@ -601,7 +602,7 @@ def _gated(out: torch.Tensor, norm_gate) -> torch.Tensor:
     if norm_gate is None:
         return out
     weight, bias, eps, u = norm_gate
-    return layer_norm.layer_norm_mul(out.view(out.shape[0], -1), weight, bias, eps, u)
+    return layer_norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,

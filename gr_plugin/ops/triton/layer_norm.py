@@ -1,6 +1,7 @@
 """Triton kernels of the HSTU layer's norms, each one pass over a row per program.
 
-Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch forms there):
+Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch forms there) and the
+norm-gate epilogue the split attention launch calls (`hstu_attention._launch`):
 - ``layer_norm_mul``: ``LayerNorm(a) * u``, the attention output's norm and gate. The row of ``a``
   is read once, normalised in fp32, scaled and shifted, multiplied by the row of ``u`` and rounded
   once (torch rounds the norm's output before the product; the difference is within the output's
@@ -9,11 +10,11 @@ Owns the GPU kernels behind `gr_plugin.ops.norm` (the references are the torch f
   in split order and rounded to the output's dtype as the attention's own sum rounds them, without
   the attention's output written and read back. The same math as that sum followed by
   ``layer_norm_mul``, not always the same bits: the compiler may order the norm's fp32 sums over a
-  row of fp32 parts differently from a row of 16-bit values (on the H200 at rows of 1024, where a
-  few outputs land one rounding step apart; at 512 the bits are equal).
+  row of fp32 parts differently from a row of 16-bit values (seen on the H200: at rows of 1024 a few
+  outputs land one rounding step apart; rows of 512 and 256 gave equal bits, not a guarantee).
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
-Both run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
+All three run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
 @triton.jit
 def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
                 BLOCK: tl.constexpr):
+    """One row: the parts' sum in split order (`sum_splits`), rounded to ``Out``'s dtype, its norm
+    times the row of ``U``."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N

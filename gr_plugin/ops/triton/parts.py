@@ -10,7 +10,8 @@ import triton.language as tl
 @triton.jit
 def sum_splits(ptrs, mask, splits, stride):
     """``sum(ptrs[s * stride] for s in range(splits))`` (``splits`` ≥ 1), fp32, added in split order
-    with four loads in flight at a time (one at a time, each waits a load's full latency)."""
+    with four loads in flight at a time, instead of one at a time, where each would wait a load's
+    full latency."""
     step = stride.to(tl.int64)
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in range(1, splits, 4):
