@@ -533,10 +533,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         out = target = torch.empty_like(q)
     else:
         # NOTE: one fp32 slice per split, summed in split order (`_sum_parts`, or `_sum_ln_mul` given a
-        # norm_gate): no zero fill, no
-        # atomics, the same bits every run. Measured on the H200 against fp32 atomic adds into a
-        # zeroed output (docs/BENCHMARKS.md, commit a3ffa4b): bs 1 / 4096 history / head_dim 128
-        # 0.019 vs 0.027 ms, bs 2 0.027 vs 0.035, head_dim 256 bs 2 0.066 vs 0.089.
+        # norm_gate): no zero fill, no atomics, the same bits every run. Measured on the H200 against
+        # fp32 atomic adds into a zeroed output (docs/BENCHMARKS.md, commit a3ffa4b): bs 1 / 4096
+        # history / head_dim 128 0.019 vs 0.027 ms, bs 2 0.027 vs 0.035, head_dim 256 bs 2 0.066 vs 0.089.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         target = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
     split_stride = target.stride(0) if target.dim() == 4 else 0
