@@ -5,7 +5,9 @@ paged form's grids side by side (split vs stream-K, plain vs TMA loads, split co
 per SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA graph
 bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`); ``small``: bs 1, 2 and
 4 at head_dim 128 and bs 1 and 2 at 256, every block config with every split count, graphed (the eager sweep's times
-at bs 1 are the host's launch cost, not the kernel's)
+at bs 1 are the host's launch cost, not the kernel's); ``small gate [bs ...]``: the same, every launch with the
+layer's norm and gate as its epilogue (``norm_gate``, as the cached loops launch it: a split launch's parts are
+summed in the norm's pass), so the split counts are weighed with the sum they cost there
 """
 
 import itertools
@@ -202,14 +204,20 @@ if "small" in sys.argv[1:]:
     # graphed ms (min of 2 rounds) of every (config, split count) at the small batches, against the default
     # launch (its config, the split rule); every output checked against the default's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = [int(a) for a in sys.argv[2:]]  # ``small 3 4``: those batch sizes at head_dim 128 only
+    chosen = [int(a) for a in sys.argv[2:] if a.isdigit()]  # ``small 3 4``: those batch sizes at head_dim 128 only
     small_cases = ([(bs, 128, 128) for bs in chosen] if chosen else
                    [(1, 128, 128), (2, 128, 128), (4, 128, 128), (1, 256, 32), (2, 256, 32)])
     for bs, dim, page in small_cases:
         args, max_q, max_kv = case(bs, 4096, 128, 256, 4, dim, page)
         flops = bs * 4 * 384 * 4096 * dim * 4
-        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)
-        fns = {"default": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)}
+        gate = {}
+        if "gate" in sys.argv[2:]:  # u, weight, bias of the layer's norm and gate (bf16, as the model's)
+            width = 4 * dim
+            gate = {"norm_gate": (torch.ones(width, device="cuda", dtype=torch.bfloat16),
+                                  torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
+                                  torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))}
+        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, **gate)
+        fns = {"default": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, **gate)}
         for bl in SMALL_CONFIGS[dim]:
             tiles = bs * 4 * -(-max_q // bl[0])
             rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
@@ -219,7 +227,7 @@ if "small" in sys.argv[1:]:
                 label = f"BM={bl[0]} BN={bl[1]} warps={bl[2]} stages={bl[3]} splits={sp}"
                 fns[label + (" (rule)" if sp == rule else "")] = (
                     lambda bl=bl, sp=sp: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
-                                                     num_splits=sp, blocks=bl))
+                                                     num_splits=sp, blocks=bl, **gate))
         best, diffs = {}, {}
         for label, fn in list(fns.items()):
             try:
@@ -231,7 +239,8 @@ if "small" in sys.argv[1:]:
             for label, fn in fns.items():
                 best[label] = min(best.get(label, float("inf")), graphed(fn))
         tiles = tri._query_tiles(args[0].shape[0], bs, 3, 128) * 4
-        print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads): default {best['default']:.4f} ms")
+        gated = " with the norm gate" if gate else ""
+        print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads){gated}: default {best['default']:.4f} ms")
         for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:10]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
     sys.exit(0)
