@@ -240,7 +240,8 @@ if "small" in sys.argv[1:]:
                 best[label] = min(best.get(label, float("inf")), graphed(fn))
         tiles = tri._query_tiles(args[0].shape[0], bs, 3, 128) * 4
         gated = " with the norm gate" if gate else ""
-        print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads){gated}: default {best['default']:.4f} ms")
+        print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads){gated}: "
+              f"default {best['default']:.4f} ms")
         for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:10]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
     sys.exit(0)
