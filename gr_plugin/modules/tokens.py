@@ -255,8 +255,10 @@ def _native_ready(tensors) -> bool:
     """Whether the C++ step-input ops (`validate_ids`, `host_token_layout`) can take these tensors:
     the core is loaded in this process (the cache loads it) and each is a contiguous 1-D int64 CPU
     tensor."""
-    return core_build.loaded() and all(t.dtype is torch.int64 and t.dim() == 1 and t.device.type == "cpu"
-                                       and t.is_contiguous() for t in tensors)
+    # NOTE: `is_cpu` and `ndim`, not `device.type` and `dim()`: this runs on ~15 tensors per step,
+    # and building a device object per tensor doubled its cost (~5.6 vs ~2.7 us for 7 tensors).
+    return core_build.loaded() and all(t.dtype is torch.int64 and t.ndim == 1 and t.is_cpu and t.is_contiguous()
+                                       for t in tensors)
 
 
 def host_token_layout(history_lengths: torch.Tensor, history_columns: Sequence[torch.Tensor],

@@ -87,6 +87,16 @@ def test_the_cpp_layout_is_taken_where_it_can_be(monkeypatch):
     assert len(calls) == 1
 
 
+def test_native_ready_takes_only_contiguous_1d_int64_cpu_tensors(monkeypatch):
+    from gr_plugin.modules.tokens import _native_ready
+
+    monkeypatch.setattr(core_build, "loaded", lambda: True)
+    ok = torch.arange(6)
+    assert _native_ready([ok, ok.clone()])
+    for bad in (ok.view(2, 3), ok[::2], ok.int(), torch.empty(6, dtype=torch.int64, device="meta")):
+        assert not _native_ready([ok, bad]), bad
+
+
 BAD = [
     (lambda hl, cols, cl, cand, ca: (hl, cols, cl, cand, ca.index_fill(0, torch.tensor([1]), 10**6)),
      r"cached_lengths\[1\] = 1000000 is outside \[0, \d+\] \(the history length\)"),
