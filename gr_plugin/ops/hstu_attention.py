@@ -74,8 +74,7 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     if norm_gate is None:
         return impl.paged_hstu_attention(*args, **sizes)
     weight, bias, eps, u = norm_gate
-    if (triton_attention and norm.use_fused(q, weight, bias, u) and norm.kernel_serves(q, u)
-            and u.shape == (q.shape[0], q.shape[1] * q.shape[2])):
+    if triton_attention and norm.takes_kernel(q, weight, bias, u) and u.shape == (q.shape[0], q.shape[1] * q.shape[2]):
         return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate))
     out = impl.paged_hstu_attention(*args, **sizes)
     return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)

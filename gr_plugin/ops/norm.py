@@ -49,7 +49,7 @@ def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.T
         raise ValueError(f"{nu} is on {u.device}, {na} is on {a.device}")
 
 
-def kernel_serves(*ts: torch.Tensor | None) -> bool:
+def _kernel_serves(*ts: torch.Tensor | None) -> bool:
     """One dtype (mixed ones, e.g. an fp32 residual stream and bf16 matmul outputs under autocast,
     take the torch form, which promotes) and contiguous rows."""
     ts = tuple(t for t in ts if t is not None)
@@ -65,14 +65,21 @@ def use_fused(a: torch.Tensor, *params: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and _triton_kernels() is not None
 
 
+def takes_kernel(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: torch.Tensor,
+                 fused: bool | None = None) -> bool:
+    """Whether `layer_norm_mul` runs the Triton kernel for these inputs (``fused`` as there); an
+    attention op with a `NormGate` epilogue asks the same before it fuses its parts' sum in."""
+    if fused is None:
+        fused = use_fused(a, weight, bias, u)
+    return fused and _kernel_serves(a, u)
+
+
 def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                    u: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """``LayerNorm(a; weight, bias, eps) * u`` for ``a, u [M, N]`` (last dimension contiguous).
     ``fused`` None picks the kernel by `use_fused`; True forces the Triton kernel (tests)."""
     _check(a, weight, bias, u)
-    if fused is None:
-        fused = use_fused(a, weight, bias, u)
-    if fused and kernel_serves(a, u):
+    if takes_kernel(a, weight, bias, u, fused):
         return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u)
     return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * u
 
@@ -90,7 +97,7 @@ def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias:
                              f"{t.dtype} on {t.device}")
     if fused is None:
         fused = use_fused(x, o, weight, bias)
-    if fused and kernel_serves(x, o, out, normed_out):
+    if fused and _kernel_serves(x, o, out, normed_out):
         return _triton_kernels().add_layer_norm(x, o, weight, bias, eps, out, normed_out)
     y = x + o if out is None else torch.add(x, o, out=out)
     z = F.layer_norm(y, (y.shape[1],), weight, bias, eps)
