@@ -151,7 +151,8 @@ def run(mod, name):
     per_sm = torch.bincount(s[:, 7], minlength=1)
     print(f"{name}: blocks {bl} splits {sp}: {len(s)} programs on {int((per_sm > 0).sum())} SMs "
           f"(at most {int(per_sm.max())} per SM); graphed untouched {graphed * 1e3:.1f} us; probed span "
-          f"{span:.1f} us (SM clock {clock_ghz:.2f} GHz); starts spread over {g0.max().item() / 1e3:.1f} us (p50 {pct(g0.tolist(), .5) / 1e3:.1f}); "
+          f"{span:.1f} us (SM clock {clock_ghz:.2f} GHz); starts spread over {g0.max().item() / 1e3:.1f} us "
+          f"(p50 {pct(g0.tolist(), .5) / 1e3:.1f}); "
           f"full blocks per program {pct(s[:, 8].tolist(), .5)} (max {s[:, 8].max().item()}), masked "
           f"{pct(s[:, 9].tolist(), .5)} (max {s[:, 9].max().item()}); max diff vs untouched {diff:.1e}")
     for label, xs in stage.items():
