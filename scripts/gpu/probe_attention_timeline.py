@@ -54,14 +54,14 @@ _PATCHES = [
      "    t1 = _clk(full_hi)\n    for n0 in tl.range(kv_lo, full_hi, BLOCK_N, warp_specialize=WS):"),
     ("    for n0 in range(full_hi, kv_hi, BLOCK_N):",
      "    t2 = _clk(tl.sum(acc).to(tl.int32))\n    for n0 in range(full_hi, kv_hi, BLOCK_N):"),
-    ("    return acc + w_self[:, None] * v_self.to(tl.float32)",
-     "    res = acc + w_self[:, None] * v_self.to(tl.float32)\n"
+    ("    return acc\n\n\n@triton.jit\ndef _stream_tiles(",
+     "    res = acc\n"
      "    t3 = _clk(tl.sum(res).to(tl.int32))\n"
      "    slot = ((b * tl.num_programs(2) + h) * tl.num_programs(0) + tl.program_id(0)) * 16\n"
      "    tl.store(Stamps + slot + 3, t1)\n    tl.store(Stamps + slot + 4, t2)\n    tl.store(Stamps + slot + 5, t3)\n"
      "    tl.store(Stamps + slot + 8, (tl.cdiv(full_hi - kv_lo, BLOCK_N)).to(tl.int64))\n"
      "    tl.store(Stamps + slot + 9, (tl.cdiv(kv_hi - full_hi, BLOCK_N)).to(tl.int64))\n"
-     "    return res"),
+     "    return res\n\n\n@triton.jit\ndef _stream_tiles("),
     ("        pid_m = tl.program_id(0) // splits\n",
      "        t0 = _clk(splits)\n        g0 = _gclk(splits)\n        pid_m = tl.program_id(0) // splits\n"),
     ("PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)\n        rows = m0",

@@ -44,6 +44,7 @@ def bench(fn):
 CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
+MAIN = __name__ == "__main__"  # imported (`case`, by probe_attention_timeline.py): no sweep runs
 if {"quick", "schedules", "splits", "bucket", "small"} & set(sys.argv[1:]):
     CONFIGS = []
 
@@ -156,7 +157,7 @@ def bucket_case(bs, users, hist, new, cands, heads, dim, page, quantum=256):
     return args, tokens, 4 * max_kv
 
 
-if "bucket" in sys.argv[1:]:
+if MAIN and "bucket" in sys.argv[1:]:
     # the attention launch of an engine bucket (e2e requests: 128 new + 256 candidates per user, history 4096,
     # head_dim 128), side by side: as commit d3b28d0 launched it (a power of two of users, max_q_len = every row,
     # splits counted from the grid), as 5753a8b did (the same launch, splits from `_query_tiles`), and as
@@ -200,7 +201,7 @@ SMALL_CONFIGS = {128: [(128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2), (64, 
                  256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
                        (32, 64, 4, 2), (32, 32, 4, 3)]}
 
-if "small" in sys.argv[1:]:
+if MAIN and "small" in sys.argv[1:]:
     # graphed ms (min of 2 rounds) of every (config, split count) at the small batches, against the default
     # launch (its config, the split rule); every output checked against the default's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -246,7 +247,7 @@ if "small" in sys.argv[1:]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
     sys.exit(0)
 
-if "schedules" in sys.argv[1:] or "splits" in sys.argv[1:]:
+if MAIN and ("schedules" in sys.argv[1:] or "splits" in sys.argv[1:]):
     only_split = "splits" in sys.argv[1:]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = {
@@ -271,14 +272,14 @@ for name, (bs, hist, new, cands, heads, dim, page) in {
     "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
     "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
     "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
-}.items():
+}.items() if MAIN else ():
     args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
     flops = bs * heads * (new + cands) * hist * dim * 4
     sweep(name, args, flops, dim, lambda a, sp, bl, fast: tri._launch(
         *a, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=sp, blocks=bl, fast=fast))
 
 # the full (jagged) pass the block's recompute uses: history 4096 + 256 candidates per user
-for name, (bs, hist, cands, heads, dim) in {"jagged bs8 4096+256 d128": (8, 4096, 256, 4, 128)}.items():
+for name, (bs, hist, cands, heads, dim) in {"jagged bs8 4096+256 d128": (8, 4096, 256, 4, 128)}.items() if MAIN else ():
     g = torch.Generator(device="cuda").manual_seed(0)
     n = bs * (hist + cands)
     q, k, v = (torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))

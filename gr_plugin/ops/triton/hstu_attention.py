@@ -118,14 +118,15 @@ def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
-    (exactly one of the programs sharing a tile).
+    (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
+    ``kv_indices`` (paged form), which the caller loads.
 
     NOTE: the caller computes where the rows go itself. Inductor's analysis of which arguments a
     kernel writes (a traced launch, AOTInductor) follows a store's address back through its ops, and
@@ -148,7 +149,6 @@ def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_
     kv_lo = blk_lo * BLOCK_N
     kv_hi = tl.minimum(kv_end, blk_hi * BLOCK_N)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
     # NOTE: key blocks that every query of this block may see need no mask: run them first.
     q_min = tl.min(tl.where(row_ok, qpos, hist), axis=0)
     full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ((q_min + 1) // BLOCK_N) * BLOCK_N))
@@ -165,13 +165,19 @@ def _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_
                         PAGE_SIZE, PAGED, BLOCK_N, True, TMA, HEAD_DIM)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
         acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, IEEE, FAST), 0.0), v, IEEE)
-    # a candidate also sees itself (added once, by the program taking the tile's first part)
-    cand = row_ok & (rows >= new) & first
-    k_self = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
-    v_self = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-    s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha
-    w_self = tl.where(cand, s_self * tl.sigmoid(s_self), 0.0)
-    return acc + w_self[:, None] * v_self.to(tl.float32)
+    # A candidate also sees itself, added once, by the program taking the tile's first part, and only
+    # where the tile holds candidates: the rows' own keys and values as one more key block, of which
+    # each candidate row keeps its diagonal weight.
+    # NOTE: measured on the H200 (scripts/gpu/probe_attention_timeline.py, docs/BENCHMARKS.md): as an
+    # elementwise row sum in every program, this took ~2.9 us of a ~12 us program at bs 1 (~6.6 us of
+    # ~90 at bs 8), more than a key block on the tensor cores.
+    if first & (m0 + BLOCK_M > new):
+        cand = row_ok & (rows >= new)
+        k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
+        v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
+        own = (rows[:, None] == rows[None, :]) & cand[:, None]
+        acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
+    return acc
 
 
 @triton.jit
@@ -218,10 +224,13 @@ def _hstu_fwd(
         b = tl.program_id(1)
         h = tl.program_id(2)
         m0 = pid_m * BLOCK_M
+        # NOTE: the user's first page's place in kv_indices is loaded with its lengths, not after them:
+        # the first key block's page index waits on it (one memory round trip fewer before the loop).
+        page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
         q_len, nb = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
         if m0 >= q_len:
             return
-        acc = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+        acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
@@ -265,7 +274,8 @@ def _hstu_fwd(
             ts = us + h * per_head + tl.sum(tl.where(mi == m, row_run, 0), axis=0) - n_units
             te = ts + n_units
             e = tl.minimum(u_hi, te)
-            acc = _tile(Q, K, V, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, b, h,
+            page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
+            acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h,
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
