@@ -109,12 +109,20 @@ def _block_count(q_len, hist, new, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _holds_candidates(q_len, new, m0, BLOCK_M: tl.constexpr):
+    """Whether the query rows ``m0..m0+BLOCK_M`` of a user hold a candidate (a row past the new
+    history tokens), whose own key `_tile` adds."""
+    return tl.minimum(m0 + BLOCK_M, q_len) > new
+
+
+@triton.jit
 def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(q_len, key blocks)`` of the query rows ``m0..m0+BLOCK_M`` of user ``b``."""
+    """``(q_len, key blocks, whether the rows hold candidates)`` of the query rows
+    ``m0..m0+BLOCK_M`` of user ``b``."""
     q_len = (tl.load(q_offsets + b + 1) - tl.load(q_offsets + b)).to(tl.int32)
     hist = tl.load(hist_lens + b).to(tl.int32)
     new = tl.load(new_lens + b).to(tl.int32)
-    return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N)
+    return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N), _holds_candidates(q_len, new, m0, BLOCK_M)
 
 
 @triton.jit
@@ -171,7 +179,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     # NOTE: measured on the H200 (scripts/gpu/probe_attention_timeline.py, docs/BENCHMARKS.md): as an
     # elementwise row sum in every program, this took ~2.9 us of a ~12 us program at bs 1 (~6.6 us of
     # ~90 at bs 8), more than a key block on the tensor cores.
-    if first & (m0 + BLOCK_M > new):
+    if first & _holds_candidates(q_len, new, m0, BLOCK_M):
         cand = row_ok & (rows >= new)
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
         v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
@@ -227,11 +235,18 @@ def _hstu_fwd(
         # NOTE: the user's first page's place in kv_indices is loaded with its lengths, not after them:
         # the first key block's page index waits on it (one memory round trip fewer before the loop).
         page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
-        q_len, nb = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
+        q_len, nb, own = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
         if m0 >= q_len:
             return
+        # NOTE: the candidates' own keys (`_tile`), which split 0 adds, count as one more unit of the
+        # tile's work ahead of its key blocks, so split 0 takes one key block fewer: units [lo, hi) of
+        # ``nb + own`` are key blocks [lo - own, hi - own), clamped at 0 (the ranges still tile [0, nb)).
+        shift = own.to(tl.int32)
+        units = nb + shift
+        blk_lo = tl.maximum(units * split // splits - shift, 0)
+        blk_hi = tl.maximum(units * (split + 1) // splits - shift, 0)
         acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
-                    nb * split // splits, nb * (split + 1) // splits, split == 0,
+                    blk_lo, blk_hi, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
                     PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
