@@ -232,8 +232,9 @@ def _hstu_fwd(
         b = tl.program_id(1)
         h = tl.program_id(2)
         m0 = pid_m * BLOCK_M
-        # NOTE: the user's first page's place in kv_indices is loaded with its lengths, not after them:
-        # the first key block's page index waits on it (one memory round trip fewer before the loop).
+        # NOTE: the user's first page's place in kv_indices is loaded with its lengths, not after them
+        # (in `_tile`, after the early return): the first key block's page index waits on it. Its
+        # effect was not measured apart (docs/BENCHMARKS.md, the timeline probe).
         page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
         q_len, nb, own = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
         if m0 >= q_len:
