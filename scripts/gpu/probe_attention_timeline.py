@@ -1,12 +1,13 @@
 """Where a paged attention launch's time goes, per program: clock stamps inside the kernel.
 
-python3 scripts/gpu/probe_attention_timeline.py [case ...]   (cases: bs1, bs1x6, bs1x22, bs1big, bs2, bs8, d256)
+python3 scripts/gpu/probe_attention_timeline.py [case ...]   (cases: `CASES`; all by default)
 
 A copy of `gr_plugin.ops.triton.hstu_attention`, written to a temporary file with stamps added (the
 kernel itself is untouched), records for every program of the split grid: the SM it ran on, the
 global timer at its start and end, and the SM clock at its start, when the loop begins (the user's
 lengths loaded), after the loop over full key blocks (its sum needed: the tensor-core work done),
-after the masked blocks and the candidates' own keys, and after its output's store is issued. It
+after the masked blocks, after the candidates' own keys (a tile's first program; the others
+only pass the stamp), and after its output's store is issued. It
 prints, per case: the launch's span on the global timer, how the programs' starts spread, and the
 median / p90 of each stage's time and of one full key block's, in microseconds. The stamps cost a
 reduction over the accumulator at each; the span is checked against the untouched kernel's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import statistics
 import sys
 import tempfile
@@ -54,11 +56,14 @@ _PATCHES = [
      "    t1 = _clk(full_hi)\n    for n0 in tl.range(kv_lo, full_hi, BLOCK_N, warp_specialize=WS):"),
     ("    for n0 in range(full_hi, kv_hi, BLOCK_N):",
      "    t2 = _clk(tl.sum(acc).to(tl.int32))\n    for n0 in range(full_hi, kv_hi, BLOCK_N):"),
+    ("    # A candidate also sees itself,",
+     "    t25 = _clk(tl.sum(acc).to(tl.int32))\n    # A candidate also sees itself,"),
     ("    return acc\n\n\n@triton.jit\ndef _stream_tiles(",
      "    res = acc\n"
      "    t3 = _clk(tl.sum(res).to(tl.int32))\n"
      "    slot = ((b * tl.num_programs(2) + h) * tl.num_programs(0) + tl.program_id(0)) * 16\n"
      "    tl.store(Stamps + slot + 3, t1)\n    tl.store(Stamps + slot + 4, t2)\n    tl.store(Stamps + slot + 5, t3)\n"
+     "    tl.store(Stamps + slot + 11, t25)\n"
      "    tl.store(Stamps + slot + 8, (tl.cdiv(full_hi - kv_lo, BLOCK_N)).to(tl.int64))\n"
      "    tl.store(Stamps + slot + 9, (tl.cdiv(kv_hi - full_hi, BLOCK_N)).to(tl.int64))\n"
      "    return res\n\n\n@triton.jit\ndef _stream_tiles("),
@@ -88,9 +93,12 @@ def probed_module():
     f = tempfile.NamedTemporaryFile("w", suffix="_probed_attention.py", delete=False)
     f.write(src)
     f.close()
-    spec = importlib.util.spec_from_file_location("probed_attention", f.name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:  # (Triton reads a kernel's source when the module is run: the file may go afterwards)
+        spec = importlib.util.spec_from_file_location("probed_attention", f.name)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        os.unlink(f.name)
     return mod
 
 
@@ -134,7 +142,11 @@ def run(mod, name):
         rounds.append(stamps.view(n_prog, 16).cpu())
     diff = (out.float() - ref.float()).abs().max().item()
     s = rounds[-1]
-    s = s[s[:, 10] == 1]  # programs that ran their tile (not past the user's queries)
+    # which programs add the candidates' own keys: split 0 of a tile holding candidates (rows >= 128 new)
+    pid0 = torch.arange(n_prog) % (n_prog // (bs * 4))
+    own_all = (pid0 % sp == 0) & ((pid0 // sp) * bl[0] + bl[0] > 128)
+    ran = s[:, 10] == 1  # programs that ran their tile (not past the user's queries)
+    s, own = s[ran], own_all[ran]
     # the SM clock: cycles over global-timer ns of each program, median
     clock_ghz = statistics.median(((s[:, 6] - s[:, 2]).double() / (s[:, 1] - s[:, 0]).clamp(min=1).double()).tolist())
     us = 1e-3 / clock_ghz  # clock cycles -> us
@@ -143,7 +155,9 @@ def run(mod, name):
     stage = {
         "start -> loop (lengths loaded)": (s[:, 3] - s[:, 2]).tolist(),
         "full-block loop": (s[:, 4] - s[:, 3]).tolist(),
-        "masked blocks + own keys": (s[:, 5] - s[:, 4]).tolist(),
+        "masked blocks": (s[:, 11] - s[:, 4]).tolist(),
+        "own keys, tile's first program": (s[own, 5] - s[own, 11]).tolist(),
+        "own keys, other programs (none)": (s[~own, 5] - s[~own, 11]).tolist(),
         "store issued": (s[:, 6] - s[:, 5]).tolist(),
         "program total": (s[:, 6] - s[:, 2]).tolist(),
     }
@@ -156,6 +170,8 @@ def run(mod, name):
           f"full blocks per program {pct(s[:, 8].tolist(), .5)} (max {s[:, 8].max().item()}), masked "
           f"{pct(s[:, 9].tolist(), .5)} (max {s[:, 9].max().item()}); max diff vs untouched {diff:.1e}")
     for label, xs in stage.items():
+        if not xs:
+            continue
         print(f"   {label:32s} p50 {pct(xs, .5) * us:6.2f}  p90 {pct(xs, .9) * us:6.2f}  max {max(xs) * us:6.2f} us")
     print(f"   {'one full key block':32s} p50 {pct(per_block, .5) * us:6.2f}  p90 {pct(per_block, .9) * us:6.2f} us")
 

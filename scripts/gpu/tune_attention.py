@@ -268,23 +268,30 @@ if MAIN and ("schedules" in sys.argv[1:] or "splits" in sys.argv[1:]):
         schedules(name, args, bs * heads * (new + cands) * hist * dim * 4, max_q, max_kv, sms, only_split)
     sys.exit(0)
 
-for name, (bs, hist, new, cands, heads, dim, page) in {
-    "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
-    "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
-    "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
-}.items() if MAIN else ():
-    args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
-    flops = bs * heads * (new + cands) * hist * dim * 4
-    sweep(name, args, flops, dim, lambda a, sp, bl, fast: tri._launch(
-        *a, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=sp, blocks=bl, fast=fast))
-
-# the full (jagged) pass the block's recompute uses: history 4096 + 256 candidates per user
-for name, (bs, hist, cands, heads, dim) in {"jagged bs8 4096+256 d128": (8, 4096, 256, 4, 128)}.items() if MAIN else ():
+def default_sweep() -> None:
+    """Every config with every split count (`CONFIGS` x `SPLITS`), eager: the paged form at bs 8 and 1,
+    and the full (jagged) pass the block's recompute uses."""
+    for name, (bs, hist, new, cands, heads, dim, page) in {
+        "paged bs8 h4096 d128 p128": (8, 4096, 128, 256, 4, 128, 128),
+        "paged bs1 h4096 d128 p128": (1, 4096, 128, 256, 4, 128, 128),
+        "paged bs8 h4096 d256 p32": (8, 4096, 128, 256, 4, 256, 32),
+    }.items():
+        args, max_q, max_kv = case(bs, hist, new, cands, heads, dim, page)
+        flops = bs * heads * (new + cands) * hist * dim * 4
+        sweep(name, args, flops, dim, lambda a, sp, bl, fast, max_q=max_q, max_kv=max_kv: tri._launch(
+            *a, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=sp, blocks=bl, fast=fast))
+    # the full (jagged) pass: history 4096 + 256 candidates per user
+    bs, hist, cands, heads, dim = 8, 4096, 256, 4, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     n = bs * (hist + cands)
     q, k, v = (torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     off = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * (hist + cands)
     hl = torch.full((bs,), hist, device="cuda", dtype=torch.int64)
     flops = bs * heads * dim * 4 * (hist * (hist + 1) // 2 + cands * (hist + 1))
-    sweep(name, (q, k, v, None, None, None, off, hl, hl), flops, dim, lambda a, sp, bl, fast: tri._launch(
-        *a, 0.1, 4096.0, hist + cands, paged=False, max_kv_len=hist + cands, num_splits=sp, blocks=bl, fast=fast))
+    sweep("jagged bs8 4096+256 d128", (q, k, v, None, None, None, off, hl, hl), flops, dim,
+          lambda a, sp, bl, fast: tri._launch(*a, 0.1, 4096.0, hist + cands, paged=False, max_kv_len=hist + cands,
+                                              num_splits=sp, blocks=bl, fast=fast))
+
+
+if MAIN:
+    default_sweep()

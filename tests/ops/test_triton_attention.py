@@ -146,6 +146,8 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     big, small = (128, 128, 8, 2), (64, 32, 4, 2)  # head_dim 128 / 256 tiles of the paged form (bf16)
     assert tri._resident(big, 128, 2, cpu) == 1 and tri._resident(small, 256, 2, cpu) == 2
     assert tri._resident((64, 64, 4, 3), 64, 2, cpu) == 2  # 4 would fit by the estimate: capped at the measured 2
+    # the candidates' own keys and values (128 rows each), not one 16-key stage, set the shared memory
+    assert tri._resident((128, 16, 4, 1), 256, 2, cpu) == 1
     assert tri._splits(12, 4096, big, 128, 2, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
     assert tri._splits(24, 4096, big, 128, 2, cpu) == 5
     assert tri._splits(96, 4096, big, 128, 2, cpu) == 1  # bs 8: one wave already

@@ -436,15 +436,16 @@ def _pad(n: int) -> int:
 
 def _resident(blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device) -> int:
     """Programs of this config one SM holds at once, estimated from its tiles: shared memory for the
-    query tile and ``stages`` key/value tiles, and registers at up to 128 a thread; 1 where the
-    device does not say its shared memory (off CUDA). NOTE: at most 2, the most measured (head_dim
-    256's 64x32 tiles on the H200): a count above what really fits would make a split grid of more
-    than one wave, which measured 30-50% slower."""
+    query tile and ``stages`` key/value tiles (or the candidates' own keys and values, ``BLOCK_M``
+    rows each, where more: `_tile`), and registers at up to 128 a thread; 1 where the device does
+    not say its shared memory (off CUDA). NOTE: at most 2, the most measured (head_dim 256's 64x32
+    tiles on the H200): a count above what really fits would make a split grid of more than one
+    wave, which measured 30-50% slower."""
     block_m, block_n, warps, stages = blocks
     smem = _shared_memory(device)
     if smem == 0:
         return 1
-    tiles = (block_m + 2 * stages * block_n) * dim * itemsize
+    tiles = (block_m + 2 * max(stages * block_n, block_m)) * dim * itemsize
     return max(1, min(smem // tiles, 65536 // (warps * 32 * 128), 2))
 
 
