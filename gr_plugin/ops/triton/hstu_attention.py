@@ -117,12 +117,11 @@ def _holds_candidates(q_len, new, m0, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(q_len, key blocks, whether the rows hold candidates)`` of the query rows
-    ``m0..m0+BLOCK_M`` of user ``b``."""
+    """``(q_len, key blocks)`` of the query rows ``m0..m0+BLOCK_M`` of user ``b``."""
     q_len = (tl.load(q_offsets + b + 1) - tl.load(q_offsets + b)).to(tl.int32)
     hist = tl.load(hist_lens + b).to(tl.int32)
     new = tl.load(new_lens + b).to(tl.int32)
-    return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N), _holds_candidates(q_len, new, m0, BLOCK_M)
+    return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -178,7 +177,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     # each candidate row keeps its diagonal weight.
     # NOTE: measured on the H200 (scripts/gpu/probe_attention_timeline.py, docs/BENCHMARKS.md): as an
     # elementwise row sum in every program, this took ~2.9 us of a ~12 us program at bs 1 (~6.6 us of
-    # ~90 at bs 8), more than a key block on the tensor cores.
+    # ~90 at bs 8); as this block, ~2 us (about 1.5 key blocks), in a tile's first program only.
     if first & _holds_candidates(q_len, new, m0, BLOCK_M):
         cand = row_ok & (rows >= new)
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
@@ -232,22 +231,18 @@ def _hstu_fwd(
         b = tl.program_id(1)
         h = tl.program_id(2)
         m0 = pid_m * BLOCK_M
-        # NOTE: the user's first page's place in kv_indices is loaded with its lengths, not after them
-        # (in `_tile`, after the early return): the first key block's page index waits on it. Its
+        # NOTE: the user's first page's place in kv_indices is loaded here with its lengths, not in
+        # `_tile` after them and the early return: the first key block's page index waits on it. Its
         # effect was not measured apart (docs/BENCHMARKS.md, the timeline probe).
         page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
-        q_len, nb, own = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
+        q_len, nb = _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M, BLOCK_N)
         if m0 >= q_len:
             return
-        # NOTE: the candidates' own keys (`_tile`), which split 0 adds, count as one more unit of the
-        # tile's work ahead of its key blocks, so split 0 takes one key block fewer: units [lo, hi) of
-        # ``nb + own`` are key blocks [lo - own, hi - own), clamped at 0 (the ranges still tile [0, nb)).
-        shift = own.to(tl.int32)
-        units = nb + shift
-        blk_lo = tl.maximum(units * split // splits - shift, 0)
-        blk_hi = tl.maximum(units * (split + 1) // splits - shift, 0)
+        # NOTE: split 0 also adds the candidates' own keys (`_tile`), about 1.5 key blocks' time at bs 1
+        # on the H200, and the floor split gives it the smallest share of key blocks. Giving it one
+        # block fewer was measured (docs/BENCHMARKS.md): no gain at bs 1, 4% slower at head_dim 256, bs 2.
         acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
-                    blk_lo, blk_hi, split == 0,
+                    nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
                     PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
