@@ -1,4 +1,4 @@
-"""Would the layer's projection with its SiLU as the matmul's epilogue beat cuBLAS + torch's SiLU?
+"""Would the layer's projections as Triton matmuls (the SiLU as the first one's epilogue) beat cuBLAS?
 
 python3 scripts/gpu/tune_linear_silu.py [M ...]   (default: the block's row counts, see ROWS)
 
@@ -32,12 +32,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 ROWS = (384, 768, 3072, 4352, 34816)
 CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
     (64, 128, 64, 4, 4), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4),
+    (64, 64, 128, 3, 4), (64, 128, 128, 3, 4), (128, 64, 128, 3, 4), (128, 128, 128, 3, 8),
 ]
+# (N, K, SiLU): the projection u, v, q, k (4 heads of 128 / 256) and the output projection back to
+# hidden 1024 (a plain bias epilogue, against F.linear)
+SHAPES = ((2048, 1024, True), (4096, 1024, True), (1024, 512, False), (1024, 1024, False))
 
 
 @triton.jit
 def _linear_silu(XD, WD, B, Y, M, N, K, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SILU: tl.constexpr):
     """``Y = SiLU(X W^T + b)`` for ``X [M, K]``, ``W [N, K]`` (an nn.Linear's weight), tile by tile,
     tiles grouped ``GROUP_M`` row blocks at a time (so a group's column tiles of W stay in L2)."""
     pid = tl.program_id(0)
@@ -56,12 +60,12 @@ def _linear_silu(XD, WD, B, Y, M, N, K, stride_y, BLOCK_M: tl.constexpr, BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     rows = m0 + tl.arange(0, BLOCK_M)
     z = acc + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y = tl.math.div_rn(z, 1.0 + libdevice.exp(-z))
+    y = tl.math.div_rn(z, 1.0 + libdevice.exp(-z)) if SILU else z
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     tl.store(Y + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
-def linear_silu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, config) -> torch.Tensor:
+def linear_silu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, config, silu: bool = True) -> torch.Tensor:
     bm, bn, bk, stages, warps = config
     m, k = x.shape
     n = w.shape[0]
@@ -69,7 +73,7 @@ def linear_silu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, config) -> to
     xd = TensorDescriptor.from_tensor(x, [bm, bk])
     wd = TensorDescriptor.from_tensor(w, [bn, bk])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _linear_silu[grid](xd, wd, b, y, m, n, k, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+    _linear_silu[grid](xd, wd, b, y, m, n, k, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SILU=silu,
                        num_stages=stages, num_warps=warps)
     return y
 
@@ -80,20 +84,20 @@ def graphed_ms(fn) -> float:
 
 def main(rows) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n in (2048, 4096):
-        k = 1024
+    for n, k, silu in SHAPES:
         w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
         b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
         for m in rows:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-            ref = F.silu(F.linear(x, w, b))
-            fns = {"torch linear + silu": lambda x=x: F.silu(F.linear(x, w, b)),
-                   "torch linear alone": lambda x=x: F.linear(x, w, b)}
+            ref = F.silu(F.linear(x, w, b)) if silu else F.linear(x, w, b)
+            fns = {"torch linear alone": lambda x=x: F.linear(x, w, b)}
+            if silu:
+                fns["torch linear + silu"] = lambda x=x: F.silu(F.linear(x, w, b))
             diffs = {}
             for cfg in CONFIGS:
                 label = "triton BM={} BN={} BK={} stages={} warps={}".format(*cfg)
                 def fn(x=x, cfg=cfg):
-                    return linear_silu(x, w, b, cfg)
+                    return linear_silu(x, w, b, cfg, silu)
                 try:
                     got = fn()
                 except Exception as e:  # a config that does not fit is reported, not fatal
@@ -106,7 +110,7 @@ def main(rows) -> None:
                 for label, fn in fns.items():
                     best[label] = min(best[label], graphed_ms(fn))
             flops = 2 * m * n * k
-            print(f"M={m} N={n} K={k}:")
+            print(f"M={m} N={n} K={k} {'SiLU' if silu else 'bias'} epilogue:")
             for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
                 extra = (f"  (max diff vs torch {diffs[label][0]:.2e}, {100 * diffs[label][1]:.1f}% equal)"
                          if label in diffs else "")
