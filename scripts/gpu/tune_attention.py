@@ -7,7 +7,8 @@ bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.b
 4 at head_dim 128 and bs 1 and 2 at 256, every block config with every split count, graphed (the eager sweep's times
 at bs 1 are the host's launch cost, not the kernel's); ``small gate [bs ...]``: the same, every launch with the
 layer's norm and gate as its epilogue (``norm_gate``, as the cached loops launch it: a split launch's parts are
-summed in the norm's pass), so the split counts are weighed with the sum they cost there
+summed in the norm's pass), so the split counts are weighed with the sum they cost there; ``small wide ...``: split
+counts up to 6 programs per SM instead of 3
 """
 
 import itertools
@@ -206,6 +207,7 @@ if MAIN and "small" in sys.argv[1:]:
     # launch (its config, the split rule); every output checked against the default's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     chosen = [int(a) for a in sys.argv[2:] if a.isdigit()]  # ``small 3 4``: those batch sizes at head_dim 128 only
+    waves = 6 if "wide" in sys.argv[2:] else 3  # ``small wide``: split counts up to 6 programs per SM, not 3
     small_cases = ([(bs, 128, 128) for bs in chosen] if chosen else
                    [(1, 128, 128), (2, 128, 128), (4, 128, 128), (1, 256, 32), (2, 256, 32)])
     for bs, dim, page in small_cases:
@@ -223,7 +225,7 @@ if MAIN and "small" in sys.argv[1:]:
             tiles = bs * 4 * -(-max_q // bl[0])
             rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
             for sp in sorted({rule, 2, 3, 4, 6, 8, 11, 16, 22, 32}):
-                if tiles * sp > 3 * sms or sp * 2 > -(-max_kv // bl[1]):
+                if tiles * sp > waves * sms or sp * 2 > -(-max_kv // bl[1]):
                     continue
                 label = f"BM={bl[0]} BN={bl[1]} warps={bl[2]} stages={bl[3]} splits={sp}"
                 fns[label + (" (rule)" if sp == rule else "")] = (
