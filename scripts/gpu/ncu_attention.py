@@ -2,6 +2,7 @@
 
 ncu --kernel-name regex:_hstu_fwd --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section LaunchStats [--section SchedulerStats] \
     python3 scripts/gpu/ncu_attention.py CASE [tma]
 
 CASE: ``cached1`` / ``cached8`` (the cached step's paged launch at bs 1 / 8: 4096-token histories,

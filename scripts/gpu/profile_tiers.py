@@ -67,7 +67,8 @@ def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128, ahe
             host_hit(marks)
         plain: dict = {}
         host_hit(plain)
-    print(f"=== tokens {tokens} (cached {cached}), look-ahead {m.transfer.onboard_lookahead}: unprofiled host us / gpu ms "
+    print(f"=== tokens {tokens} (cached {cached}), look-ahead {m.transfer.onboard_lookahead}: "
+          "unprofiled host us / gpu ms "
           + ", ".join(f"{k} {v:.1f}" if k != "gpu_ms" else f"{k} {v:.3f}" for k, v in plain.items()))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)

@@ -42,7 +42,8 @@ SHAPES = ((2048, 1024, True), (4096, 1024, True), (1024, 512, False), (1024, 102
 @triton.jit
 def _linear_silu(XD, WD, B, Y, M, N, K, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SILU: tl.constexpr):
-    """``Y = SiLU(X W^T + b)`` for ``X [M, K]``, ``W [N, K]`` (an nn.Linear's weight), tile by tile,
+    """``Y = SiLU(X W^T + b)`` (``SILU`` False: ``X W^T + b``) for ``X [M, K]``, ``W [N, K]`` (an nn.Linear's
+    weight), tile by tile,
     tiles grouped ``GROUP_M`` row blocks at a time (so a group's column tiles of W stay in L2)."""
     pid = tl.program_id(0)
     m_tiles, n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)

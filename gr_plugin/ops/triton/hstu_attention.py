@@ -480,12 +480,14 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
       11 splits of 12 tiles of 128 rows (132 programs, at most 3 of the 32 key blocks each): 0.019
       ms, vs 0.021 ms at 8 (a power of two, 96 programs); with the 64-row tiles it takes now
       (`_launch_blocks`), 11 splits of 24 tiles, two programs per SM: 0.0176 ms.
-    - the one-wave cap leaves time on the table past bs 4 (`tune_attention.py small gate wide`, with
-      the norm gate): bs 8 takes 128x128 tiles and 1 split (96 programs, 0.73 of a wave), 0.0925 ms,
-      where 64x64 tiles with 4 splits take 0.0863; bs 16 (1.45 waves) 0.1769 ms against 0.1496 for
-      64x32 tiles unsplit and 0.1504 for 128x128 with 2 splits; bs 4 keeps the rule's 2 splits. A
-      count that fills the last wave, weighed against each split's fixed cost, is the next rule:
-      not written yet (docs/BENCHMARKS.md, the makespan model)."""
+    - the one-wave cap costs past bs 4 (`tune_attention.py small gate wide 4 8 16`, with the norm
+      gate): bs 8's 128x128 tiles take 0.0926 ms at 1 split (96 programs, 0.73 of a wave), 0.0906
+      at 4; its 64x64 tiles 0.0924 at 1, 0.0863 at 4; bs 16's 128x128 tiles 0.1766 at 1 (1.45
+      waves), 0.1504 at 2; bs 4 keeps the rule's 2 splits. A count that fills the last wave,
+      weighed against each split's fixed cost, is the next rule (docs/BENCHMARKS.md, the makespan
+      model), not written yet: a split's share of the work depends on the history, and a graph
+      bucket launches with ``max_history_len`` = the cache's capacity (`gr_plugin.modules.graphs`),
+      so it would need a history bound per bucket."""
     kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
     wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
     return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
