@@ -1,14 +1,16 @@
 """Time the paged HSTU attention kernel over block configs on the GPU (one call of the device tool).
-python3 scripts/gpu/tune_attention.py [quick|schedules|splits|small|bucket [bs ...]] -> a table of ms per (case,
-BLOCK_M, BLOCK_N, warps, stages, splits); ``quick``: the default config and the exact SiLU only; ``schedules``: the
-paged form's grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp specialisation, programs
-per SM) only; ``splits``: the split grid's variants only, with more small-batch cases; ``bucket``: a CUDA graph
-bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`); ``small``: bs 1, 2 and
-4 at head_dim 128 and bs 1 and 2 at 256, every block config with every split count, graphed (the eager sweep's times
-at bs 1 are the host's launch cost, not the kernel's); ``small gate [bs ...]``: the same, every launch with the
-layer's norm and gate as its epilogue (``norm_gate``, as the cached loops launch it: a split launch's parts are
-summed in the norm's pass), so the split counts are weighed with the sum they cost there; ``small wide ...``: split
-counts up to 6 programs per SM instead of 3
+python3 scripts/gpu/tune_attention.py [quick|schedules|splits|small|bucket [bs ...]|grid DIM HIST BS...] -> a table of
+ms per (case, BLOCK_M, BLOCK_N, warps, stages, splits); ``quick``: the default config and the exact SiLU only;
+``schedules``: the paged form's grids side by side (split vs stream-K, plain vs TMA loads, split counts, warp
+specialisation, programs per SM) only; ``splits``: the split grid's variants only, with more small-batch cases;
+``bucket``: a CUDA graph bucket's attention launch, before and after its key (`gr_plugin.modules.graphs.bucket_key`);
+``small``: bs 1, 2 and 4 at head_dim 128 and bs 1 and 2 at 256, every block config with every split count, graphed
+(the eager sweep's times at bs 1 are the host's launch cost, not the kernel's); ``small gate [bs ...]``: the same,
+every launch with the layer's norm and gate as its epilogue (``norm_gate``, as the cached loops launch it: a split
+launch's parts are summed in the norm's pass), so the split counts are weighed with the sum they cost there; ``small
+wide ...``: split counts up to 6 programs per SM instead of 3; ``grid DIM HIST BS...``: every measurement of
+`GRID_CONFIGS` x `GRID_SPLITS` at one head size and history, with the norm gate (to fit the split rule to;
+$OUT/grid.jsonl)
 """
 
 import itertools
@@ -46,7 +48,7 @@ CONFIGS = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3), (12
            (64, 32, 4, 3)]
 SPLITS = (1, 2, 4, 8)
 MAIN = __name__ == "__main__"  # imported (`case`, by probe_attention_timeline.py): no sweep runs
-if {"quick", "schedules", "splits", "bucket", "small"} & set(sys.argv[1:]):
+if {"quick", "schedules", "splits", "bucket", "small", "grid"} & set(sys.argv[1:]):
     CONFIGS = []
 
 
@@ -247,6 +249,57 @@ if MAIN and "small" in sys.argv[1:]:
               f"default {best['default']:.4f} ms")
         for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:10]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs default {diffs[label]:.2e})")
+    sys.exit(0)
+
+GRID_CONFIGS = {128: [(128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                      (64, 32, 4, 3)],
+                256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2)]}
+GRID_SPLITS = (1, 2, 3, 4, 5, 6, 8, 11, 16)
+
+if MAIN and "grid" in sys.argv[1:]:
+    # ``grid DIM HIST BS...``: graphed ms (min of 2 rounds) of every (config, split count) of `GRID_CONFIGS`, the
+    # norm gate as epilogue, up to 6 programs per SM, at one head size and history, for each batch size: every
+    # measurement printed (and appended to $OUT/grid.jsonl where OUT is set), to fit a split rule to
+    import json
+    import os
+
+    dim, hist = int(sys.argv[2]), int(sys.argv[3])
+    page = 128 if dim <= 128 else 32
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sink = os.path.join(os.environ["OUT"], "grid.jsonl") if os.environ.get("OUT") else None
+    for bs in [int(a) for a in sys.argv[4:]]:
+        args, max_q, max_kv = case(bs, hist, 128, 256, 4, dim, page)
+        width = 4 * dim
+        gate = {"norm_gate": (torch.ones(width, device="cuda", dtype=torch.bfloat16),
+                              torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
+                              torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))}
+        ref = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, **gate)
+        fns = {("default", 0): lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, **gate)}
+        for bl in GRID_CONFIGS[dim]:
+            tiles = bs * 4 * -(-max_q // bl[0])
+            for sp in GRID_SPLITS:
+                if tiles * sp > 6 * sms or sp * 2 > -(-max_kv // bl[1]):
+                    continue
+                fns[(bl, sp)] = (lambda bl=bl, sp=sp: tri._launch(*args, 0.1, 4096.0, max_q, paged=True,
+                                                                  max_kv_len=max_kv, num_splits=sp, blocks=bl, **gate))
+        best, diffs = {}, {}
+        for key, fn in list(fns.items()):
+            try:
+                diffs[key] = (fn().float() - ref.float()).abs().max().item()
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                print(f"   {key}: {type(e).__name__}: {str(e)[:120]}")
+                del fns[key]
+        for _ in range(2):
+            for key, fn in fns.items():
+                best[key] = min(best.get(key, float("inf")), graphed(fn))
+        print(f"grid d{dim} h{hist} bs{bs}: default {best[('default', 0)]:.4f} ms", flush=True)
+        rows = []
+        for (bl, sp), ms in sorted(best.items(), key=lambda kv: kv[1]):
+            print(f"   {ms:.4f} ms  {bl} splits={sp}  (max diff {diffs[(bl, sp)]:.1e})")
+            rows.append(dict(dim=dim, hist=hist, bs=bs, blocks=bl, splits=sp, ms=ms, diff=diffs[(bl, sp)]))
+        if sink:
+            with open(sink, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     sys.exit(0)
 
 if MAIN and ("schedules" in sys.argv[1:] or "splits" in sys.argv[1:]):
