@@ -2,7 +2,8 @@
 
 Owns the static buffers and the graphs of the cached step: embedding lookups, the layer stack
 (append + paged attention per layer) and the head. A bucket is the step's padded shape (users,
-query tokens, new tokens, one user's query tokens: `bucket_key`); the first batch of a bucket that
+query tokens, new tokens, one user's query tokens: `bucket_key`) and a bound on its histories
+(`history_bound`, which sets the attention's split count); the first batch of a bucket that
 is seen often enough is captured, later ones replay. A step's inputs (ids, token layout, page
 metadata, append slots) are packed on the host, from the host layout and the plan's
 ``host_metadata``, into one pinned buffer in the bucket's fixed order and reach the device in one
@@ -46,6 +47,16 @@ def _pow2(x: int) -> int:
 
 EXACT_USERS = 8  # buckets of fewer users (padding user included) key on the exact count
 TOKEN_QUANTUM, NEW_QUANTUM, Q_QUANTUM = 256, 128, 128  # `CachedStackGraphs`' default paddings
+HISTORY_QUANTUM = 1024  # the least history bound a bucket keys on
+
+
+def history_bound(max_history_len: int, capacity: int) -> int:
+    """The history bound a bucket keys on: the step's longest history (new tokens included) up to a
+    power of two, at least `HISTORY_QUANTUM`, at most the cache's ``capacity`` in tokens. The
+    bucket's attention launch takes it as ``max_history_len``, from which the split rule weighs a
+    program's work (`gr_plugin.ops.triton.hstu_attention._makespan`); the kernel itself reads every
+    user's length from the device, so any bound at or above the real ones computes the same."""
+    return max(1, min(capacity, max(HISTORY_QUANTUM, _pow2(max_history_len))))
 
 
 def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int,
@@ -73,6 +84,7 @@ class _Bucket:
     tokens: int  # query rows of the graph
     new: int  # new-token rows of the graph
     max_q: int  # query rows of any one user, at most (the attention's grid; the padding user's too)
+    hist: int  # any user's history (new tokens included), at most: the attention's max_history_len
     fields: dict[str, tuple[int, int]]  # name -> [start, end) in ``ints`` (kv_indices last)
     ints: torch.Tensor  # every int input of the step, packed (device)
     staging: list[torch.Tensor]  # two pinned host buffers of the same layout, used in turn
@@ -97,9 +109,10 @@ class CachedStackGraphs:
     """See the module docstring. Shapes are padded up to buckets (`bucket_key`: users plus one
     padding user, exactly or up to a power of two; query rows to a multiple of ``token_quantum``,
     new rows to a multiple of ``new_quantum``, one user's query rows to a multiple of
-    ``q_quantum``): padding query rows belong to a padding user with no history (they only see
-    themselves, and are dropped), padding new rows write their K/V into a reserved scratch page,
-    padding ids are 0 (a valid row of every table) and padding head rows are dropped.
+    ``q_quantum``; and the longest history up to a power of two, `history_bound`): padding query
+    rows belong to a padding user with no history (they only see themselves, and are dropped),
+    padding new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row
+    of every table) and padding head rows are dropped.
     """
 
     def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
@@ -161,7 +174,7 @@ class CachedStackGraphs:
         self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
-                                 max_q_len=b.max_q, max_history_len=self._max_history, num_history_tokens=0,
+                                 max_q_len=b.max_q, max_history_len=b.hist, num_history_tokens=0,
                                  norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.model.layers, i)
         layer.finish_gated_and_norm(b.ys[i], a, nxt, out=b.ys[i + 1],
@@ -214,7 +227,7 @@ class CachedStackGraphs:
         b.staged[i].record()
 
     def _new_bucket(self, key: tuple[int, ...], device: torch.device) -> _Bucket:
-        users, tokens, new, max_q = key
+        users, tokens, new, max_q, hist = key
         page = self.cache.config.page_size
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
@@ -225,7 +238,7 @@ class CachedStackGraphs:
             at += size
         d = self.model.config.embedding_dim
         x = torch.zeros(tokens, d, dtype=self.model.output_norm.weight.dtype, device=device)
-        b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, fields=fields,
+        b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, hist=hist, fields=fields,
                     ints=torch.zeros(at, dtype=torch.int64, device=device),
                     staging=(staging := [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]),
                     staging_np=[t.numpy() for t in staging],
@@ -284,7 +297,7 @@ class CachedStackGraphs:
                 self._pool = g.pool() if self._pool is None else self._pool
                 b.whole = (g, logits)
         self.captures += 1
-        logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q),
+        logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q, b.hist),
                     "in layer segments" if layered else "whole")
 
     def _make_room(self) -> bool:
@@ -323,8 +336,9 @@ class CachedStackGraphs:
                 logger.info("the cache's KV table moved: dropping %d captured buckets", len(self._buckets))
             self._buckets.clear()
             self._table = table
-        key = bucket_key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
-                         self.token_quantum, self.new_quantum, self.q_quantum)
+        key = (*bucket_key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
+                           self.token_quantum, self.new_quantum, self.q_quantum),
+               history_bound(meta.max_total_len, self._max_history))
         self._steps += 1
         if key in self._failed:
             return None

@@ -149,10 +149,11 @@ def _paged_cuda(tri, q, k, v, kv, kv_indices, kv_indptr, history_lengths, q_offs
     """``kv``: one layer's table, or the whole table and ``layer`` (the kernel gets the whole table)."""
     kv_layer = kv if layer is None else _layer(kv, layer)
     check_paged(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
+    # (the table's capacity bounds the histories without a sync, loosely: the split rule only caps by it)
     return tri.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, history_lengths, q_offsets,
                                     new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=q.shape[0],
                                     max_history_len=kv_layer.shape[0] * kv_layer.shape[2], num_history_tokens=0,
-                                    layer=layer, **kw)
+                                    layer=layer, tight_kv_len=False, **kw)
 
 
 def _append_cuda(tri, kv, k, v, slots, rows, layer=None) -> None:

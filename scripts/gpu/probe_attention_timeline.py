@@ -129,7 +129,8 @@ def run(mod, name):
     ref = tri._launch(*args, 0.1, 4096.0, max_q, **kw)
     graphed = triton.testing.do_bench_cudagraph(lambda: tri._launch(*args, 0.1, 4096.0, max_q, **kw), rep=50,
                                                 return_mode="median")
-    bl = blocks or tri._launch_blocks(args[0].shape[0], bs, 4, max_q, dim, args[0].dtype, True, args[0].device)
+    bl = blocks or tri._launch_blocks(args[0].shape[0], bs, 4, max_q, max_kv, dim, args[0].dtype, True,
+                                           args[0].device)
     sp = splits or tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
     n_prog = triton.cdiv(max_q, bl[0]) * sp * bs * 4
     stamps = torch.zeros(n_prog * 16, dtype=torch.int64, device="cuda")

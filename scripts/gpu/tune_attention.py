@@ -164,8 +164,9 @@ if MAIN and "bucket" in sys.argv[1:]:
     # the attention launch of an engine bucket (e2e requests: 128 new + 256 candidates per user, history 4096,
     # head_dim 128), side by side: as commit d3b28d0 launched it (a power of two of users, max_q_len = every row,
     # splits counted from the grid), as 5753a8b did (the same launch, splits from `_query_tiles`), and as
-    # `bucket_key` keys it now (exact users below EXACT_USERS, max_q_len = each user's rows rounded up)
-    from gr_plugin.modules.graphs import _pow2, bucket_key
+    # `bucket_key` keys it (exact users below EXACT_USERS, max_q_len = each user's rows rounded up), with
+    # max_history_len the cache's capacity (before the bucket's history bound) and `history_bound` (now)
+    from gr_plugin.modules.graphs import _pow2, bucket_key, history_bound
 
     blocks = tri._blocks(128, torch.bfloat16, True, torch.device("cuda"))
     bm = blocks[0]
@@ -178,16 +179,20 @@ if MAIN and "bucket" in sys.argv[1:]:
                     old_args[8][:users])
         grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device)
         # (the two earlier launches on the 128-row tiles they ran on; now: the launch's own choice, `_launch_blocks`)
+        bound = history_bound(4096, max_kv)
         variants = {
             f"d3b28d0: {old_users} users, max_q_len {tokens}, {grid} splits (grid count)":
-                (old_args, tokens, grid, blocks),
-            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None, blocks),
-            f"now: {users} users, max_q_len {max_q}, rule": (new_args, max_q, None, None),
+                (old_args, tokens, grid, blocks, max_kv),
+            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None, blocks, max_kv),
+            f"{users} users, max_q_len {max_q}, rule, max_history_len {max_kv} (capacity)":
+                (new_args, max_q, None, None, max_kv),
+            f"now: {users} users, max_q_len {max_q}, rule, max_history_len {bound} (history_bound)":
+                (new_args, max_q, None, None, bound),
         }
         ref = tri._launch(*new_args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
-        fns = {label: (lambda a=a, mq=mq, n=n, bl=bl: tri._launch(*a, 0.1, 4096.0, mq, paged=True, max_kv_len=max_kv,
-                                                                   num_splits=n, blocks=bl))
-               for label, (a, mq, n, bl) in variants.items()}
+        fns = {label: (lambda a=a, mq=mq, n=n, bl=bl, kv=kv: tri._launch(*a, 0.1, 4096.0, mq, paged=True,
+                                                                         max_kv_len=kv, num_splits=n, blocks=bl))
+               for label, (a, mq, n, bl, kv) in variants.items()}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(3):
             for label, fn in fns.items():

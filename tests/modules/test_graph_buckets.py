@@ -8,7 +8,7 @@ users allow (`_query_tiles`).
 import pytest
 import torch
 
-from gr_plugin.modules.graphs import EXACT_USERS, bucket_key
+from gr_plugin.modules.graphs import EXACT_USERS, HISTORY_QUANTUM, bucket_key, history_bound
 from gr_plugin.ops.triton import hstu_attention as tri
 
 
@@ -40,21 +40,34 @@ def test_small_buckets_count_their_users_exactly():
 
 def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
     """The e2e suite's requests (128 new events + 256 candidates per user, history 4096, head_dim
-    128, an H200's 132 SMs): the tiles and split count of the bucket's attention launch (its users, rows and
-    ``max_q``, as `CachedStackGraphs._layer` passes them) is what the real users plus the padding
-    user allow. Before (d3b28d0: a power of two of users, ``max_q_len`` = all rows, the grid counted)
-    bs 2 and 4 took one split (H200, `scripts/gpu/tune_attention.py bucket`: 0.073 / 0.084 ms a
-    layer against 0.035 / 0.054 at 3 / 2 splits)."""
+    128, an H200's 132 SMs): the tiles and split count of the bucket's attention launch (its users,
+    rows, ``max_q`` and history bound, as `CachedStackGraphs._attend` passes them) is what the real
+    users plus the padding user allow. Before (d3b28d0: a power of two of users, ``max_q_len`` = all
+    rows, the grid counted) bs 2 and 4 took one split (H200, `scripts/gpu/tune_attention.py bucket`:
+    0.073 / 0.084 ms a layer against 0.035 / 0.054 at 3 / 2 splits)."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
     got = {}
     for bs in (1, 2, 4, 8):
         users, tokens, _, max_q = bucket_key(bs, 384 * bs, 128 * bs, 384)
-        blocks = tri._launch_blocks(tokens, users, 4, max_q, 128, torch.bfloat16, True, cpu)  # what the launch takes
-        got[bs] = blocks[0], tri._default_splits(tokens, users, 4, max_q, 4 * 4096, blocks, 128, 2, cpu)
-    # bs 1 and 2 (20 and 36 query tiles of 128 rows x 4 heads) take 64-row tiles, bs 4 and 8 128-row ones
-    assert got == {1: (64, 7), 2: (64, 3), 4: (128, 2), 8: (128, 1)}
+        hist = history_bound(4096, 4 * 4096)
+        blocks = tri._launch_blocks(tokens, users, 4, max_q, hist, 128, torch.bfloat16, True, cpu)  # the launch's
+        got[bs] = blocks[0], tri._default_splits(tokens, users, 4, max_q, hist, blocks, 128, 2, cpu)
+    # bs 1 and 2 (20 and 36 query tiles of 128 rows x 4 heads) take 64-row tiles by the few-tile rule,
+    # bs 4 and 8 by the makespan model (the padding user's rows count as a user's: 2 splits at bs 4)
+    assert got == {1: (64, 7), 2: (64, 3), 4: (64, 2), 8: (64, 4)}
+
+
+def test_a_bucket_keys_on_a_power_of_two_bound_of_its_histories():
+    """`history_bound`: the longest history up to a power of two, at least `HISTORY_QUANTUM`, at most
+    the cache's capacity (so never above what any user can have); never below the real one within
+    the capacity."""
+    assert [history_bound(n, 1 << 20) for n in (0, 1, 1000, 1024, 1025, 4096, 4097)] == \
+        [HISTORY_QUANTUM] * 4 + [2048, 4096, 8192]
+    assert history_bound(5000, 6000) == 6000 and history_bound(10, 512) == 512
+    for n in range(0, 20000, 37):
+        assert n <= history_bound(n, 1 << 15) <= max(2 * n, HISTORY_QUANTUM)
 
 
 def test_a_full_set_of_buckets_gives_up_only_an_idle_least_recently_used_one():

@@ -337,3 +337,21 @@ def test_layer_ops_name_a_bad_layer_and_change_nothing(layer):
         args = [p[a] for a in PAGED_ARGS]
         OPS.paged_hstu_attention_layer(*args[:3], table, layer, *args[4:], ALPHA, NORM)
     assert torch.equal(table, before)
+
+
+def test_eager_cuda_kernel_counts_splits_without_the_makespan_model(monkeypatch):
+    """The custom op's eager kernel (``_paged_cuda``) bounds the histories by the table's capacity
+    (no sync to read the real ones), a loose bound: its launch asks the split rule without the
+    makespan model (``paged=False``: the one-wave count) and the tiles without it. Run through the
+    real launcher, on Triton's interpreter."""
+    from gr_plugin.ops.triton import hstu_attention as tri
+
+    asked = []
+    real = tri._splits
+    monkeypatch.setattr(tri, "_splits", lambda *a: asked.append(a) or real(*a))
+    p = _paged()
+    out = library._paged_cuda(tri, *(p[a] for a in PAGED_ARGS), ALPHA, NORM)
+    torch.testing.assert_close(out, _ref_paged(p), rtol=1e-4, atol=1e-4)
+    capacity = p["kv_layer"].shape[0] * p["kv_layer"].shape[2]
+    ((_, kv_len, _, _, _, _, paged),) = asked
+    assert kv_len == capacity and paged is False

@@ -139,7 +139,10 @@ def test_interpreter_split_parts(which, splits):
 def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     """The split grid cuts the keys into up to one wave of programs (as many per SM as fit, at least
     `MIN_SPLIT_BLOCKS` key blocks each); the count is a runtime argument, so it need not be a power
-    of two. Sizes of an H200: 132 SMs, 227 KB of shared memory a block may use."""
+    of two. Sizes of an H200: 132 SMs, 227 KB of shared memory a block may use. The paged bf16
+    form's tiles with `MAKESPAN` constants take the makespan model's count instead
+    (`test_makespan_rule_takes_the_h200_sweeps_launches`); where it agrees with one wave, both are
+    asked, else the one-wave rule alone (``paged=False``)."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
@@ -150,13 +153,64 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     assert tri._resident((128, 16, 4, 1), 256, 2, cpu) == 1
     assert tri._splits(12, 4096, big, 128, 2, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
     assert tri._splits(24, 4096, big, 128, 2, cpu) == 5
-    assert tri._splits(96, 4096, big, 128, 2, cpu) == 1  # bs 8: one wave already
+    assert tri._splits(96, 4096, big, 128, 2, cpu, paged=False) == 1  # bs 8: one wave already
+    assert tri._splits(96, 4096, big, 128, 2, cpu) == 4  # the model: 384 programs, 2.9 waves
     assert tri._splits(200, 4096, big, 128, 2, cpu) == 1  # more programs than SMs
     assert tri._splits(48, 4096, small, 256, 2, cpu) == 5  # two programs per SM: 240 of 264
     assert tri._splits(12, 512, big, 128, 2, cpu) == 4 // tri.MIN_SPLIT_BLOCKS  # short history: few blocks each
     assert tri._splits(1, 1 << 20, big, 128, 2, cpu) == 32  # capped
-    monkeypatch.setattr(tri, "_shared_memory", lambda device: 0)  # not known: one program per SM
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 0)  # not known: one program per SM, no model
     assert tri._resident(small, 256, 2, cpu) == 1 and tri._splits(48, 4096, small, 256, 2, cpu) == 2
+    assert tri._makespan(96, 4096, big, 128, cpu) is None and tri._splits(96, 4096, big, 128, 2, cpu) == 1
+
+
+# (head_dim, history, bs) -> the launch (blocks, splits) that was fastest in `scripts/gpu/tune_attention.py grid`
+# on the H200 (docs/BENCHMARKS.md, 2026-12-01), and the launch the makespan rule takes where that differs
+GRID_BEST = {
+    (128, 1024, 4): ((64, 64, 4, 2), 2), (128, 1024, 8): ((64, 64, 4, 2), 1), (128, 1024, 32): ((64, 64, 4, 2), 1),
+    (128, 4096, 4): ((64, 64, 4, 2), 5), (128, 4096, 8): ((64, 64, 4, 2), 4), (128, 4096, 32): ((128, 128, 8, 2), 1),
+    (128, 16384, 8): ((128, 128, 8, 2), 4), (128, 16384, 16): ((128, 128, 8, 2), 2),
+    (256, 4096, 4): ((64, 32, 4, 2), 5), (256, 4096, 8): ((64, 32, 4, 2), 4), (256, 4096, 16): ((64, 32, 4, 2), 2),
+}
+GRID_RULE_ELSEWHERE = {  # best measured, the rule's: ms of each in that sweep
+    (128, 1024, 16): ((64, 64, 4, 2), 2),  # 64x32 tiles unsplit 0.0510; the rule's 0.0588 (the one-wave rule 0.0628)
+    (128, 4096, 16): ((64, 64, 4, 2), 2),  # 64x32 unsplit 0.1501; the rule's 0.1537 (one-wave 0.1773)
+    (128, 16384, 4): ((64, 64, 4, 2), 8),  # 128x128 with 5 splits 0.1415; the rule's 0.1482 (one-wave 0.1629)
+}
+
+
+def test_makespan_rule_takes_the_h200_sweeps_launches(monkeypatch):
+    """The paged bf16 form past the few query tiles: `_launch_blocks` takes the 128x128 or the 64x64
+    tiles at head_dim 128 by the makespan model's time, `_splits` the model's count. On an H200's
+    sizes, at 128 new + 256 candidates per user, it takes the launch that measured fastest in the
+    H200's sweep in 11 of its 14 cases (`GRID_BEST`), and the launches of `GRID_RULE_ELSEWHERE`
+    (15%, 2.4% and 4.7% slower than the best there) in the other three. The few-tile batches keep
+    their launch (bs 1: 11 splits of 64-row tiles, as the one-wave rule counted)."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    cpu = torch.device("cpu")
+
+    def launch(dim, hist, bs):
+        blocks = tri._launch_blocks(384 * bs, bs, 4, 384, hist, dim, torch.bfloat16, True, cpu)
+        return blocks, tri._default_splits(384 * bs, bs, 4, 384, hist, blocks, dim, 2, cpu)
+
+    assert {k: launch(*k) for k in GRID_BEST} == GRID_BEST
+    assert {k: launch(*k) for k in GRID_RULE_ELSEWHERE} == GRID_RULE_ELSEWHERE
+    assert launch(128, 4096, 1) == ((64, 64, 4, 2), 11) and launch(128, 1024, 1) == ((64, 64, 4, 2), 8)
+    assert launch(256, 4096, 1) == ((64, 64, 8, 2), 5) and launch(256, 4096, 2) == ((64, 32, 4, 2), 5)
+    # the model itself: whole waves of programs, each split's fixed cost; at least MIN_SPLIT_BLOCKS key
+    # blocks a split, at most 32 splits; a tie keeps the fewer
+    per_key, per_program = tri.MAKESPAN[(128, (128, 128, 8, 2))]
+    ms, splits = tri._makespan(96, 4096, (128, 128, 8, 2), 128, cpu)
+    assert splits == 4 and ms == pytest.approx(3 * (per_key * 4096 / 4 + per_program))
+    assert tri._makespan(12, 512, (128, 128, 8, 2), 128, cpu)[1] == 4 // tri.MIN_SPLIT_BLOCKS
+    assert tri._makespan(1, 1 << 20, (128, 128, 8, 2), 128, cpu)[1] == 32
+    assert tri._makespan(1, 0, (128, 128, 8, 2), 128, cpu)[1] == 1
+    monkeypatch.setitem(tri.MAKESPAN, (128, (128, 128, 8, 2)), (0.0, 1.0))  # no work per key: one split is as fast
+    assert tri._makespan(12, 4096, (128, 128, 8, 2), 128, cpu) == (1.0, 1)
+    assert tri._makespan(12, 4096, (64, 64, 4, 3), 128, cpu) is None  # no constants for these tiles
+    assert tri._splits(12, 4096, (64, 64, 4, 2), 128, 2, cpu) == 22  # the model: 264 programs, one wave
+    assert tri._splits(12, 4096, (64, 64, 4, 2), 128, 4, cpu) == 11  # fp32: the one-wave rule (its tiles: 1 per SM)
 
 
 def test_few_query_tiles_take_64_row_tiles(monkeypatch):
@@ -166,12 +220,15 @@ def test_few_query_tiles_take_64_row_tiles(monkeypatch):
     ~200 KB of shared memory per block keep `_blocks`. A launch that names its split count (a traced
     one) or runs stream-K does not ask."""
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
 
-    def blocks(bs, dim, nq=None, users=None, dtype=bf16, paged=True):
-        return tri._launch_blocks(nq or 384 * bs, users or bs, 4, 384, dim, dtype, paged, cpu)
+    def blocks(bs, dim, nq=None, users=None, dtype=bf16, paged=True, hist=4096):
+        return tri._launch_blocks(nq or 384 * bs, users or bs, 4, 384, hist, dim, dtype, paged, cpu)
 
-    assert [blocks(bs, 128) for bs in (1, 2, 4, 8)] == [(64, 64, 4, 2)] * 2 + [(128, 128, 8, 2)] * 2
+    assert [blocks(bs, 128) for bs in (1, 2)] == [(64, 64, 4, 2)] * 2
+    # more tiles: the makespan model's choice between the two (`test_makespan_rule_takes_the_h200_sweeps_launches`)
+    assert [blocks(8, 128, hist=h) for h in (4096, 16384)] == [(64, 64, 4, 2), (128, 128, 8, 2)]
     assert [blocks(bs, 256) for bs in (1, 2, 8)] == [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 2)]
     assert blocks(2, 128, nq=1024, users=3) == (64, 64, 4, 2)  # bs 2's bucket: 36 tiles
     assert blocks(1, 256, nq=512, users=2) == (64, 64, 8, 2)  # bs 1's bucket: 20 tiles

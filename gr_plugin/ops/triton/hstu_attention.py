@@ -366,13 +366,15 @@ FEW_TILES = {128: 36, 256: 20}
 _FEW_TILE_BLOCKS = {128: (64, 64, 4, 2), 256: (64, 64, 8, 2)}
 
 
-def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, head_dim: int, dtype: torch.dtype, paged: bool,
-                   device: torch.device) -> tuple[int, int, int, int]:
+def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int | None, head_dim: int,
+                   dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
     """The blocks of a split-grid launch whose caller named none: `_blocks`, except for a paged launch
     with few query tiles (at most ``FEW_TILES[head_dim]`` of 128 rows, counted as the split rule
     counts them, `_query_tiles`, times the heads) in bf16/fp16 on a device where the large tiles fit
     (`_large_tiles_fit`), which takes `_FEW_TILE_BLOCKS`: 64x64 tiles (head_dim 128: 64-row tiles
-    instead of 128; head_dim 256: 64-key blocks and 8 warps instead of 32 and 4).
+    instead of 128; head_dim 256: 64-key blocks and 8 warps instead of 32 and 4). With more tiles
+    such a launch takes whichever of the two the makespan model expects to finish first, where
+    ``max_kv_len`` bounds the histories tightly (None: it does not, and `_blocks` serves).
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention.py small`, history 4096, 128 new + 256
     candidates, graphed, every config with every split count; docs/BENCHMARKS.md): head_dim 128 at
@@ -388,7 +390,20 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, head_dim: int,
     if not paged or few is None or dtype.itemsize != 2 or not _large_tiles_fit(device):
         return blocks
     tiles = _query_tiles(nq, bsz, triton.cdiv(max(max_q_len, 1), 128), 128) * heads
-    return few if tiles <= FEW_TILES[head_dim] else blocks
+    if tiles <= FEW_TILES[head_dim] or max_kv_len is None:  # (None: no tight bound on the histories)
+        return few if tiles <= FEW_TILES[head_dim] else blocks
+    # NOTE: past the few tiles, whichever of the two the makespan model (`_makespan`) expects to
+    # finish first with its best split count; a tie keeps `_blocks`. On the H200 (`tune_attention.py
+    # grid`, docs/BENCHMARKS.md) head_dim 128 at bs 4 and 8 with a 4096 history ran fastest on the
+    # 64x64 tiles with 5 and 4 splits, at bs 8 with a 16384 history on the 128x128 ones with 4.
+    times = []
+    for bl in (blocks, few):
+        m_blocks = triton.cdiv(max(max_q_len, 1), bl[0])
+        est = _makespan(_query_tiles(nq, bsz, m_blocks, bl[0]) * heads, max_kv_len, bl, head_dim, device)
+        if est is None:
+            return blocks
+        times.append(est[0])
+    return few if times[1] < times[0] else blocks
 
 
 _SMS: dict[int, int] = {}
@@ -457,37 +472,72 @@ def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
 
 
 def _default_splits(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
-                    blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device) -> int:
+                    blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device,
+                    paged: bool = True) -> int:
     """The split grid's key splits where the caller names none: `_splits` of the programs of the
     query tiles that can hold rows (`_query_tiles`)."""
     m_blocks = triton.cdiv(max(max_q_len, 1), blocks[0])
-    return _splits(_query_tiles(nq, bsz, m_blocks, blocks[0]) * heads, max_kv_len, blocks, dim, itemsize, device)
+    return _splits(_query_tiles(nq, bsz, m_blocks, blocks[0]) * heads, max_kv_len, blocks, dim, itemsize, device,
+                   paged)
+
+
+# NOTE: the makespan model's constants (`_makespan`) per (head_dim, paged tiles, bf16/fp16): microseconds
+# per history key of one program's query tile, and per program of a split (its start, its fp32 part's
+# store and its share of the sum in the norm's pass). Fitted by least squares on relative error to the
+# H200's graphed times of every split count, norm gate included (`scripts/gpu/tune_attention.py grid`,
+# 132 SMs, histories 1024 / 4096 / 16384, bs 4-32; docs/BENCHMARKS.md): mean error 4-7%.
+MAKESPAN = {(128, (128, 128, 8, 2)): (0.01892, 8.91), (128, (64, 64, 4, 2)): (0.01964, 6.15),
+            (256, (64, 32, 4, 2)): (0.03798, 14.04), (256, (64, 64, 8, 2)): (0.03987, 8.11)}
+
+
+def _makespan(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int,
+              device: torch.device) -> tuple[float, int] | None:
+    """``(µs, splits)``: the paged split grid's best key split count for ``n_programs`` query tiles x
+    heads over histories of up to ``max_kv_len`` keys, by the time the model expects,
+    ``ceil(n_programs * s / wave) * (per_key * max_kv_len / s + per_program)`` (whole waves of
+    `_resident` programs per SM, each split a program with its own fixed cost); None where
+    `MAKESPAN` has no constants for these tiles. Counts run from 1 to 32, each split at least
+    `MIN_SPLIT_BLOCKS` key blocks; a tie keeps the fewer splits. Also None off CUDA or where the
+    device does not say its shared memory (the programs per SM are not known)."""
+    consts = MAKESPAN.get((dim, tuple(blocks)))
+    if consts is None or _shared_memory(device) == 0:
+        return None
+    per_key, per_program = consts
+    wave = _num_sms(device) * _resident(blocks, dim, 2, device)
+    n, keys = max(n_programs, 1), max(max_kv_len, 1)
+    top = max(1, min(triton.cdiv(keys, blocks[1]) // MIN_SPLIT_BLOCKS, 32))
+    return min((triton.cdiv(n * s, wave) * (per_key * keys / s + per_program), s) for s in range(1, top + 1))
 
 
 def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int, itemsize: int,
-            device: torch.device) -> int:
+            device: torch.device, paged: bool = True) -> int:
     """Key splits per query block for the split grid: with few query blocks (small batches, short
     queries) most SMs would sit idle while each program walks the whole history, so the keys are
-    cut into up to one wave of programs (`_resident` per SM), each with at least `MIN_SPLIT_BLOCKS`
-    key blocks. Each split writes its own fp32 part, summed by `_sum_parts` or the norm gate's pass.
+    cut into more programs, each with at least `MIN_SPLIT_BLOCKS` key blocks. Each split writes its
+    own fp32 part, summed by `_sum_parts` or the norm gate's pass. A paged bf16/fp16 launch on tiles
+    `MAKESPAN` has constants for takes the makespan model's count (`_makespan`); any other launch
+    (the jagged form, fp32, other tiles) cuts the keys into up to one wave of programs (`_resident`
+    per SM).
 
-    NOTE: measured on the H200 (`scripts/gpu/tune_attention.py splits`, docs/BENCHMARKS.md):
-    - past one wave is slower (a part-full second wave), e.g. bs 8, 4096 history, head_dim 128
-      (128x128 tiles, one per SM): unsplit 0.090 ms, split 2 0.102 ms; head_dim 256's 64x32 tiles
-      fit two per SM, and bs 2 there runs 0.104 ms at 2 splits (96 programs), 0.074 ms at 4 (192);
+    NOTE: measured on the H200 (docs/BENCHMARKS.md):
     - the count is a runtime argument of the kernel, so any count fills the SMs (Triton compiles
       at most three variants: a count of 1, a multiple of 16, any other): bs 1, head_dim 128 took
       11 splits of 12 tiles of 128 rows (132 programs, at most 3 of the 32 key blocks each): 0.019
       ms, vs 0.021 ms at 8 (a power of two, 96 programs); with the 64-row tiles it takes now
-      (`_launch_blocks`), 11 splits of 24 tiles, two programs per SM: 0.0176 ms.
-    - the one-wave cap costs past bs 4 (`tune_attention.py small gate wide 4 8 16`, with the norm
-      gate): bs 8's 128x128 tiles take 0.0926 ms at 1 split (96 programs, 0.73 of a wave), 0.0906
-      at 4; its 64x64 tiles 0.0924 at 1, 0.0863 at 4; bs 16's 128x128 tiles 0.1766 at 1 (1.45
-      waves), 0.1504 at 2; bs 4 keeps the rule's 2 splits. A count that fills the last wave,
-      weighed against each split's fixed cost, is the next rule (docs/BENCHMARKS.md, the makespan
-      model), not written yet: a split's share of the work depends on the history, and a graph
-      bucket launches with ``max_history_len`` = the cache's capacity (`gr_plugin.modules.graphs`),
-      so it would need a history bound per bucket."""
+      (`_launch_blocks`), 11 splits of 24 tiles, two programs per SM: 0.0176 ms;
+    - a part-full wave costs, and so does each split (`tune_attention.py splits`): bs 8 / 4096
+      history / head_dim 128 on 128x128 tiles (one per SM), 0.090 ms unsplit, 0.102 at 2 splits;
+    - the one-wave cap, the rule before the model, cost past bs 4 when a count filled the last
+      wave better (`tune_attention.py grid`, the norm gate included): bs 8 with a 16384 history
+      0.316 ms at 1 split, 0.263 at 4 (2.9 waves); bs 16 with 4096, 0.177 at 1 (1.45 waves),
+      0.151 at 2. With `_launch_blocks`' choice of tiles, the model's launches were the sweep's
+      best in 10 of its 14 cases, within 2.4% in one more, 4.7% off at bs 4 with 16384 and 15% at
+      bs 16 with 1024 (64x32 tiles, which `MAKESPAN` lacks, win there), and at most 0.1% slower
+      than the one-wave rule's launch in any."""
+    if paged and itemsize == 2:
+        best = _makespan(n_programs, max_kv_len, blocks, dim, device)
+        if best is not None:
+            return best[1]
     kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
     wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
     return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
@@ -511,12 +561,16 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
     ``(weight, bias, eps, u)``, which returns ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]`` instead
-    (the HSTU layer's norm and gate; a split launch adds its parts inside the norm's pass)."""
+    (the HSTU layer's norm and gate; a split launch adds its parts inside the norm's pass).
+    ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
+    weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
+    kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
+    count the one-wave rule's."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -539,7 +593,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     # symbolic ones.
     want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
     if blocks is None:  # the few-tile blocks only where the split rule picks the count
-        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, dim, q.dtype, paged, q.device)
+        kv_len = (max_kv_len if max_kv_len is not None else max_q_len) if tight_kv_len else None
+        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len, dim, q.dtype, paged, q.device)
                   if num_splits is None and not want_stream else _blocks(dim, q.dtype, paged, q.device))
     block_m, block_n, warps, stages = blocks
     m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
@@ -554,7 +609,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         programs = programs or _num_sms(q.device)
     elif num_splits is None:
         num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
-                                     (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device)
+                                     (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device,
+                                     paged and tight_kv_len)
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
