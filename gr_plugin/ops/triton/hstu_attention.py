@@ -485,7 +485,7 @@ def _default_splits(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: i
 # per history key of one program's query tile, and per program of a split (its start, its fp32 part's
 # store and its share of the sum in the norm's pass). Fitted by least squares on relative error to the
 # H200's graphed times of every split count, norm gate included (`scripts/gpu/tune_attention.py grid`,
-# 132 SMs, histories 1024 / 4096 / 16384, bs 4-32; docs/BENCHMARKS.md): mean error 4-7%.
+# 132 SMs, histories 1024 / 4096 / 16384, bs 4-32; docs/BENCHMARKS.md): mean error 1.4-7.3%.
 MAKESPAN = {(128, (128, 128, 8, 2)): (0.01892, 8.91), (128, (64, 64, 4, 2)): (0.01964, 6.15),
             (256, (64, 32, 4, 2)): (0.03798, 14.04), (256, (64, 64, 8, 2)): (0.03987, 8.11)}
 
