@@ -2,8 +2,8 @@
 
 Owns the static buffers and the graphs of the cached step: embedding lookups, the layer stack
 (append + paged attention per layer) and the head. A bucket is the step's padded shape (users,
-query tokens, new tokens, one user's query tokens: `bucket_key`) and a bound on its histories
-(`history_bound`, which sets the attention's split count); the first batch of a bucket that
+query tokens, new tokens, one user's query tokens: `bucket_key`) and the attention launch (tiles
+and key splits) that a bound on its histories gives (`history_bound`); the first batch of a bucket that
 is seen often enough is captured, later ones replay. A step's inputs (ids, token layout, page
 metadata, append slots) are packed on the host, from the host layout and the plan's
 ``host_metadata``, into one pinned buffer in the bucket's fixed order and reach the device in one
@@ -55,7 +55,8 @@ def history_bound(max_history_len: int, capacity: int) -> int:
     power of two, at least `HISTORY_QUANTUM`, at most the cache's ``capacity`` in tokens. The
     bucket's attention launch takes it as ``max_history_len``, from which the split rule weighs a
     program's work (`gr_plugin.ops.triton.hstu_attention._makespan`); the kernel itself reads every
-    user's length from the device, so any bound at or above the real ones computes the same."""
+    user's length from the device, so the bound picks the launch only (a bucket whose launch another
+    bound gives too replays past its own bound and computes the same)."""
     return max(1, min(capacity, max(HISTORY_QUANTUM, _pow2(max_history_len))))
 
 
@@ -84,7 +85,7 @@ class _Bucket:
     tokens: int  # query rows of the graph
     new: int  # new-token rows of the graph
     max_q: int  # query rows of any one user, at most (the attention's grid; the padding user's too)
-    hist: int  # any user's history (new tokens included), at most: the attention's max_history_len
+    hist: int  # the attention's max_history_len: a bound (`history_bound`) whose launch the bucket keys on
     fields: dict[str, tuple[int, int]]  # name -> [start, end) in ``ints`` (kv_indices last)
     ints: torch.Tensor  # every int input of the step, packed (device)
     staging: list[torch.Tensor]  # two pinned host buffers of the same layout, used in turn
@@ -109,7 +110,8 @@ class CachedStackGraphs:
     """See the module docstring. Shapes are padded up to buckets (`bucket_key`: users plus one
     padding user, exactly or up to a power of two; query rows to a multiple of ``token_quantum``,
     new rows to a multiple of ``new_quantum``, one user's query rows to a multiple of
-    ``q_quantum``; and the longest history up to a power of two, `history_bound`): padding query
+    ``q_quantum``; and the attention launch of the longest history up to a power of two,
+    `history_bound`: bounds that give the same launch share a bucket): padding query
     rows belong to a padding user with no history (they only see themselves, and are dropped),
     padding new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row
     of every table) and padding head rows are dropped.
@@ -133,6 +135,7 @@ class CachedStackGraphs:
         self._pool = None
         cfg = cache.config
         self._max_history = cfg.num_pages * cfg.page_size
+        self._launches: dict[tuple[int, ...], tuple] = {}  # (bucket shape, history bound) -> attention launch
         self._scratch: int | None = None
         self._failed: set[tuple[int, ...]] = set()  # buckets whose capture failed: eager from then on
         self._table = None  # the KV table the graphs were captured on (they hold its address)
@@ -226,8 +229,8 @@ class CachedStackGraphs:
         b.ints[: a + m].copy_(b.staging[i][: a + m], non_blocking=True)
         b.staged[i].record()
 
-    def _new_bucket(self, key: tuple[int, ...], device: torch.device) -> _Bucket:
-        users, tokens, new, max_q, hist = key
+    def _new_bucket(self, key: tuple, hist: int, device: torch.device) -> _Bucket:
+        users, tokens, new, max_q = key[:4]
         page = self.cache.config.page_size
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
@@ -300,6 +303,26 @@ class CachedStackGraphs:
         logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q, b.hist),
                     "in layer segments" if layered else "whole")
 
+    def _key(self, batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int,
+             max_total_len: int, table: torch.Tensor) -> tuple[tuple, int]:
+        """``(key, history bound)`` of a step: its `bucket_key` and the attention launch its history
+        bound gives (`hstu_attention.paged_launch`, remembered per shape and bound), so bounds that
+        launch alike share one bucket. The bound is what the bucket's launch passes."""
+        shape = bucket_key(batch_size, num_query_tokens, num_new_tokens, max_q_len, self.token_quantum,
+                           self.new_quantum, self.q_quantum)
+        hist = history_bound(max_total_len, self._max_history)
+        launch = self._launches.get((*shape, hist))
+        if launch is None:
+            from gr_plugin.ops.triton import hstu_attention as tri
+
+            cfg = self.cache.config
+            launch = tri.paged_launch(shape[1], shape[0], cfg.num_heads, shape[3], hist, cfg.head_dim, table.dtype,
+                                      table.device)
+            if len(self._launches) > 64 * self.max_buckets:
+                self._launches.clear()
+            self._launches[(*shape, hist)] = launch
+        return (*shape, launch), hist
+
     def _make_room(self) -> bool:
         """Whether a new bucket may be captured: below ``max_buckets``, or after dropping the least
         recently used one, if it has been idle ``idle_steps`` steps. Its graphs may still be
@@ -336,9 +359,8 @@ class CachedStackGraphs:
                 logger.info("the cache's KV table moved: dropping %d captured buckets", len(self._buckets))
             self._buckets.clear()
             self._table = table
-        key = (*bucket_key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
-                           self.token_quantum, self.new_quantum, self.q_quantum),
-               history_bound(meta.max_total_len, self._max_history))
+        key, hist = self._key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
+                              meta.max_total_len, table)
         self._steps += 1
         if key in self._failed:
             return None
@@ -358,7 +380,7 @@ class CachedStackGraphs:
                     except ValueError as exc:
                         logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
                         return None
-                b = self._buckets[key] = self._new_bucket(key, table.device)
+                b = self._buckets[key] = self._new_bucket(key, hist, table.device)
             self._buckets.move_to_end(key)
             b.last_used = self._steps
             layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer

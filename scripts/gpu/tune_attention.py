@@ -164,8 +164,9 @@ if MAIN and "bucket" in sys.argv[1:]:
     # the attention launch of an engine bucket (e2e requests: 128 new + 256 candidates per user, history 4096,
     # head_dim 128), side by side: as commit d3b28d0 launched it (a power of two of users, max_q_len = every row,
     # splits counted from the grid), as 5753a8b did (the same launch, splits from `_query_tiles`), and as
-    # `bucket_key` keys it (exact users below EXACT_USERS, max_q_len = each user's rows rounded up), with
-    # max_history_len the cache's capacity (before the bucket's history bound) and `history_bound` (now)
+    # `bucket_key` keys it (exact users below EXACT_USERS, max_q_len = each user's rows rounded up) with
+    # max_history_len the cache's capacity and the one-wave rule (9511b71), and with `history_bound` and the
+    # makespan model (now). The earlier launches count their splits by the one-wave rule, as they did.
     from gr_plugin.modules.graphs import _pow2, bucket_key, history_bound
 
     blocks = tri._blocks(128, torch.bfloat16, True, torch.device("cuda"))
@@ -177,22 +178,23 @@ if MAIN and "bucket" in sys.argv[1:]:
         # the same inputs, without the empty users past the padding user (`case` draws its page order anew)
         new_args = (*old_args[:5], old_args[5][: users + 1], old_args[6][: users + 1], old_args[7][:users],
                     old_args[8][:users])
-        grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device)
+        grid = tri._splits(old_users * -(-tokens // bm) * 4, max_kv, blocks, 128, 2, old_args[0].device, model=False)
         # (the two earlier launches on the 128-row tiles they ran on; now: the launch's own choice, `_launch_blocks`)
         bound = history_bound(4096, max_kv)
         variants = {
             f"d3b28d0: {old_users} users, max_q_len {tokens}, {grid} splits (grid count)":
-                (old_args, tokens, grid, blocks, max_kv),
-            f"5753a8b: {old_users} users, max_q_len {tokens}, rule": (old_args, tokens, None, blocks, max_kv),
-            f"{users} users, max_q_len {max_q}, rule, max_history_len {max_kv} (capacity)":
-                (new_args, max_q, None, None, max_kv),
-            f"now: {users} users, max_q_len {max_q}, rule, max_history_len {bound} (history_bound)":
-                (new_args, max_q, None, None, bound),
+                (old_args, tokens, grid, blocks, max_kv, False),
+            f"5753a8b: {old_users} users, max_q_len {tokens}, one-wave rule":
+                (old_args, tokens, None, blocks, max_kv, False),
+            f"9511b71: {users} users, max_q_len {max_q}, one-wave rule, max_history_len {max_kv} (capacity)":
+                (new_args, max_q, None, None, max_kv, False),
+            f"now: {users} users, max_q_len {max_q}, makespan rule, max_history_len {bound} (history_bound)":
+                (new_args, max_q, None, None, bound, True),
         }
         ref = tri._launch(*new_args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, num_splits=1)
-        fns = {label: (lambda a=a, mq=mq, n=n, bl=bl, kv=kv: tri._launch(*a, 0.1, 4096.0, mq, paged=True,
-                                                                         max_kv_len=kv, num_splits=n, blocks=bl))
-               for label, (a, mq, n, bl, kv) in variants.items()}
+        fns = {label: (lambda a=a, mq=mq, n=n, bl=bl, kv=kv, t=t: tri._launch(
+                   *a, 0.1, 4096.0, mq, paged=True, max_kv_len=kv, num_splits=n, blocks=bl, tight_kv_len=t))
+               for label, (a, mq, n, bl, kv, t) in variants.items()}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(3):
             for label, fn in fns.items():

@@ -325,6 +325,45 @@ def test_cuda_graph_buckets_give_up_the_least_recently_used_when_idle():
     assert graphs.captures == 1 and graphs.evictions == 0 and graphs.replays == 2  # visits 1 and 3
 
 
+def test_cuda_graph_buckets_replay_across_history_bounds(monkeypatch):
+    """head_dim 128 (the makespan rule's tiles) with 2 users' histories growing from 700 to 2300
+    tokens, across the history bounds 1024, 2048 and 4096: graphed scores equal the eager step's
+    (which launches with the real longest history). Bounds that give the same attention launch share
+    one bucket, captured at its first bound and replayed past it (the kernel reads the real lengths;
+    the bound only picks the launch): on an H200 the 400-event visits' bucket takes 64x64 tiles and
+    7 splits at both 2048 and 4096, so the last visit replays the bucket of bound 2048."""
+    from gr_plugin.cache import KVCacheConfig
+    from gr_plugin.modules import KVCacheModule
+    from gr_plugin.modules.graphs import CachedStackGraphs
+    from tests.modules.helpers import tiny_model
+
+    seen = []
+    real_key = CachedStackGraphs._key
+
+    def key(self, *a):
+        got = real_key(self, *a)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(CachedStackGraphs, "_key", key)
+
+    model = tiny_model(0, head_dim=128).to("cuda", torch.bfloat16)
+    c = model.config
+
+    def make_cache():
+        cfg = KVCacheConfig(num_layers=c.num_layers, num_heads=c.num_heads, head_dim=c.head_dim, page_size=64,
+                            num_pages=128, dtype="bfloat16", device="cuda", host_cache_bytes=0)
+        return KVCacheModule(cfg, "gpu")
+
+    worst, graphs, _ = _graph_vs_eager(model, make_cache, 5, lambda visit: 400 if visit else 700)
+    assert worst <= 1e-2, worst
+    assert [bound for _, bound in seen] == [1024, 2048, 2048, 2048, 4096]  # each visit's own bound
+    assert graphs.replays == 5 and graphs.captures == len(graphs._buckets) == len({k for k, _ in seen}) == 2
+    # every bucket holds the first bound it was seen with; the last visit ran past its bucket's
+    assert all(graphs._buckets[k].hist <= bound for k, bound in seen)
+    assert graphs._buckets[seen[-1][0]].hist == 2048
+
+
 def test_cuda_graphs_with_layerwise_onboarding_replay_per_layer():
     """A step whose pages come up from the host tier replays the layer segments, each layer's
     onboard wait between its projection and its append (no other step waits for them), and scores

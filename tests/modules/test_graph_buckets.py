@@ -95,3 +95,34 @@ def test_a_full_set_of_buckets_gives_up_only_an_idle_least_recently_used_one():
     assert "b" not in graphs._seen and graphs._seen["c"] == 2
     with pytest.raises(ValueError, match="max_buckets and capture_after must be >= 1, got 0 and 2"):
         CachedStackGraphs(model, tiny_cache(model), max_buckets=0)
+
+
+def test_buckets_key_on_the_attention_launch_their_history_bound_gives(monkeypatch):
+    """`CachedStackGraphs._key`: the bucket shape plus the attention launch (tiles, split count) of
+    the step's history bound, on an H200's sizes, head_dim 128, 4 heads, bf16, a cache of 16384
+    tokens. bs 1 (a few-tile launch: 64-row tiles, the one-wave count) launches alike at every
+    bound, so one bucket serves histories 500 to 4096; bs 8 (16 users with the padding one, whose
+    rows count as a user's) takes other split counts at 1024, 4096 and 16384 (the makespan model),
+    so those are three buckets. The bound returned is the step's own, what the bucket's launch
+    passes as ``max_history_len``."""
+    from types import SimpleNamespace
+
+    from gr_plugin.cache import KVCacheConfig
+    from gr_plugin.modules.graphs import CachedStackGraphs
+
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    cfg = KVCacheConfig(num_layers=2, num_heads=4, head_dim=128, page_size=128, num_pages=128)
+    graphs = CachedStackGraphs(None, SimpleNamespace(config=cfg))
+    table = torch.empty(0, dtype=torch.bfloat16)
+
+    def key(bs, hist):
+        return graphs._key(bs, 384 * bs, 128 * bs, 384, hist, table)
+
+    ones = {key(1, h)[0] for h in (500, 1024, 1500, 2048, 3000, 4096)}
+    assert len(ones) == 1 and next(iter(ones))[4] == ((64, 64, 4, 2), 7)
+    assert [key(1, h)[1] for h in (500, 1500, 3000)] == [1024, 2048, 4096]
+    eights = {h: key(8, h)[0][4] for h in (1000, 4096, 16384)}
+    assert eights == {1000: ((64, 64, 4, 2), 2), 4096: ((64, 64, 4, 2), 4), 16384: ((64, 64, 4, 2), 7)}
+    assert key(8, 20000)[1] == 16384  # at most the capacity
+    assert key(8, 4096)[0][:4] == bucket_key(8, 384 * 8, 128 * 8, 384)

@@ -342,16 +342,19 @@ def test_layer_ops_name_a_bad_layer_and_change_nothing(layer):
 def test_eager_cuda_kernel_counts_splits_without_the_makespan_model(monkeypatch):
     """The custom op's eager kernel (``_paged_cuda``) bounds the histories by the table's capacity
     (no sync to read the real ones), a loose bound: its launch asks the split rule without the
-    makespan model (``paged=False``: the one-wave count) and the tiles without it. Run through the
-    real launcher, on Triton's interpreter."""
+    makespan model (``model=False``: the one-wave count) and the tiles without it (no bound given).
+    Run through the real launcher, on Triton's interpreter."""
     from gr_plugin.ops.triton import hstu_attention as tri
 
-    asked = []
-    real = tri._splits
+    asked, tiles = [], []
+    real, real_blocks = tri._splits, tri._launch_blocks
     monkeypatch.setattr(tri, "_splits", lambda *a: asked.append(a) or real(*a))
+    monkeypatch.setattr(tri, "_launch_blocks", lambda *a: tiles.append(a) or real_blocks(*a))
     p = _paged()
     out = library._paged_cuda(tri, *(p[a] for a in PAGED_ARGS), ALPHA, NORM)
     torch.testing.assert_close(out, _ref_paged(p), rtol=1e-4, atol=1e-4)
     capacity = p["kv_layer"].shape[0] * p["kv_layer"].shape[2]
-    ((_, kv_len, _, _, _, _, paged),) = asked
-    assert kv_len == capacity and paged is False
+    ((_, kv_len, _, _, _, _, model),) = asked
+    assert kv_len == capacity and model is False
+    ((_, _, _, _, tile_kv_len, *_),) = tiles
+    assert tile_kv_len is None

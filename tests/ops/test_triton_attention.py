@@ -142,7 +142,7 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     of two. Sizes of an H200: 132 SMs, 227 KB of shared memory a block may use. The paged bf16
     form's tiles with `MAKESPAN` constants take the makespan model's count instead
     (`test_makespan_rule_takes_the_h200_sweeps_launches`); where it agrees with one wave, both are
-    asked, else the one-wave rule alone (``paged=False``)."""
+    asked, else the one-wave rule alone (``model=False``)."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     cpu = torch.device("cpu")
@@ -153,7 +153,7 @@ def test_split_count_fills_the_sms_with_any_count(monkeypatch):
     assert tri._resident((128, 16, 4, 1), 256, 2, cpu) == 1
     assert tri._splits(12, 4096, big, 128, 2, cpu) == 11  # bs 1, 4 heads x 3 query blocks: 132 programs
     assert tri._splits(24, 4096, big, 128, 2, cpu) == 5
-    assert tri._splits(96, 4096, big, 128, 2, cpu, paged=False) == 1  # bs 8: one wave already
+    assert tri._splits(96, 4096, big, 128, 2, cpu, model=False) == 1  # bs 8: one wave already
     assert tri._splits(96, 4096, big, 128, 2, cpu) == 4  # the model: 384 programs, 2.9 waves
     assert tri._splits(200, 4096, big, 128, 2, cpu) == 1  # more programs than SMs
     assert tri._splits(48, 4096, small, 256, 2, cpu) == 5  # two programs per SM: 240 of 264
@@ -209,8 +209,13 @@ def test_makespan_rule_takes_the_h200_sweeps_launches(monkeypatch):
     monkeypatch.setitem(tri.MAKESPAN, (128, (128, 128, 8, 2)), (0.0, 1.0))  # no work per key: one split is as fast
     assert tri._makespan(12, 4096, (128, 128, 8, 2), 128, cpu) == (1.0, 1)
     assert tri._makespan(12, 4096, (64, 64, 4, 3), 128, cpu) is None  # no constants for these tiles
+    assert tri._makespan(24, 4096, (64, 64, 8, 2), 256, cpu) is None  # head_dim 256's few-tile ones: one-wave rule
+    assert tri.paged_launch(384, 1, 4, 384, 4096, 128, torch.bfloat16, cpu) == launch(128, 4096, 1)
     assert tri._splits(12, 4096, (64, 64, 4, 2), 128, 2, cpu) == 22  # the model: 264 programs, one wave
     assert tri._splits(12, 4096, (64, 64, 4, 2), 128, 4, cpu) == 11  # fp32: the one-wave rule (its tiles: 1 per SM)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 166912)  # an A100's: not the device it was fitted on
+    assert tri._makespan(12, 4096, (64, 64, 4, 2), 128, cpu) is None
+    assert tri._splits(12, 4096, (64, 64, 4, 2), 128, 2, cpu) == 22  # the one-wave rule: 2 per SM there too
 
 
 def test_few_query_tiles_take_64_row_tiles(monkeypatch):

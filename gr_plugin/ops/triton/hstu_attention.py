@@ -16,6 +16,7 @@ is captured into a CUDA graph on Hopper or newer (`_use_tma`), and a stream-K gr
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -389,7 +390,7 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: in
     few = _FEW_TILE_BLOCKS.get(head_dim)
     if not paged or few is None or dtype.itemsize != 2 or not _large_tiles_fit(device):
         return blocks
-    tiles = _query_tiles(nq, bsz, triton.cdiv(max(max_q_len, 1), 128), 128) * heads
+    tiles = _query_tiles(nq, bsz, _cdiv(max(max_q_len, 1), 128), 128) * heads
     if tiles <= FEW_TILES[head_dim] or max_kv_len is None:  # (None: no tight bound on the histories)
         return few if tiles <= FEW_TILES[head_dim] else blocks
     # NOTE: past the few tiles, whichever of the two the makespan model (`_makespan`) expects to
@@ -398,12 +399,17 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: in
     # 64x64 tiles with 5 and 4 splits, at bs 8 with a 16384 history on the 128x128 ones with 4.
     times = []
     for bl in (blocks, few):
-        m_blocks = triton.cdiv(max(max_q_len, 1), bl[0])
+        m_blocks = _cdiv(max(max_q_len, 1), bl[0])
         est = _makespan(_query_tiles(nq, bsz, m_blocks, bl[0]) * heads, max_kv_len, bl, head_dim, device)
         if est is None:
             return blocks
         times.append(est[0])
     return few if times[1] < times[0] else blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceil division of host ints (``triton.cdiv`` is a constexpr function: microseconds a call)."""
+    return -(-a // b)
 
 
 _SMS: dict[int, int] = {}
@@ -473,21 +479,23 @@ def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
 
 def _default_splits(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
                     blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device,
-                    paged: bool = True) -> int:
+                    model: bool = True) -> int:
     """The split grid's key splits where the caller names none: `_splits` of the programs of the
-    query tiles that can hold rows (`_query_tiles`)."""
-    m_blocks = triton.cdiv(max(max_q_len, 1), blocks[0])
+    query tiles that can hold rows (`_query_tiles`); ``model`` as there."""
+    m_blocks = _cdiv(max(max_q_len, 1), blocks[0])
     return _splits(_query_tiles(nq, bsz, m_blocks, blocks[0]) * heads, max_kv_len, blocks, dim, itemsize, device,
-                   paged)
+                   model)
 
 
-# NOTE: the makespan model's constants (`_makespan`) per (head_dim, paged tiles, bf16/fp16): microseconds
-# per history key of one program's query tile, and per program of a split (its start, its fp32 part's
-# store and its share of the sum in the norm's pass). Fitted by least squares on relative error to the
-# H200's graphed times of every split count, norm gate included (`scripts/gpu/tune_attention.py grid`,
-# 132 SMs, histories 1024 / 4096 / 16384, bs 4-32; docs/BENCHMARKS.md): mean error 1.4-7.3%.
+# NOTE: the makespan model's constants (`_makespan`) per (head_dim, paged tiles, bf16): microseconds per
+# history key of one program's query tile, and per program of a split (its start, its fp32 part's store
+# and its share of the sum in the norm's pass). Fitted by least squares on relative error to the H200's
+# graphed times of every split count, norm gate included (`scripts/gpu/tune_attention.py grid`, 132
+# SMs, histories 1024 / 4096 / 16384, bs 4-32; docs/BENCHMARKS.md): mean error 4.3-7.3%. Not measured:
+# fp16, other GPUs (the model serves only where `_large_tiles_fit`, Hopper-sized shared memory), other
+# tiles (head_dim 256's few-tile 64x64 ones were timed at one history only: the one-wave rule counts them).
 MAKESPAN = {(128, (128, 128, 8, 2)): (0.01892, 8.91), (128, (64, 64, 4, 2)): (0.01964, 6.15),
-            (256, (64, 32, 4, 2)): (0.03798, 14.04), (256, (64, 64, 8, 2)): (0.03987, 8.11)}
+            (256, (64, 32, 4, 2)): (0.03798, 14.04)}
 
 
 def _makespan(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int,
@@ -496,28 +504,33 @@ def _makespan(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int
     heads over histories of up to ``max_kv_len`` keys, by the time the model expects,
     ``ceil(n_programs * s / wave) * (per_key * max_kv_len / s + per_program)`` (whole waves of
     `_resident` programs per SM, each split a program with its own fixed cost); None where
-    `MAKESPAN` has no constants for these tiles. Counts run from 1 to 32, each split at least
-    `MIN_SPLIT_BLOCKS` key blocks; a tie keeps the fewer splits. Also None off CUDA or where the
-    device does not say its shared memory (the programs per SM are not known)."""
+    `MAKESPAN` has no constants for these tiles or the device is not one they were fitted on (off
+    CUDA, or less shared memory than Hopper's: `_large_tiles_fit`). Counts run from 1 to 32, each
+    split at least `MIN_SPLIT_BLOCKS` key blocks; a tie keeps the fewer splits."""
     consts = MAKESPAN.get((dim, tuple(blocks)))
-    if consts is None or _shared_memory(device) == 0:
+    if consts is None or not _large_tiles_fit(device):
         return None
-    per_key, per_program = consts
     wave = _num_sms(device) * _resident(blocks, dim, 2, device)
-    n, keys = max(n_programs, 1), max(max_kv_len, 1)
-    top = max(1, min(triton.cdiv(keys, blocks[1]) // MIN_SPLIT_BLOCKS, 32))
-    return min((triton.cdiv(n * s, wave) * (per_key * keys / s + per_program), s) for s in range(1, top + 1))
+    return _best_count(max(n_programs, 1), max(max_kv_len, 1), blocks[1], wave, *consts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_count(n: int, keys: int, block_n: int, wave: int, per_key: float, per_program: float) -> tuple[float, int]:
+    """`_makespan`'s minimum over split counts (remembered: an eager launch asks it per layer)."""
+    top = max(1, min(_cdiv(keys, block_n) // MIN_SPLIT_BLOCKS, 32))
+    return min((_cdiv(n * s, wave) * (per_key * keys / s + per_program), s) for s in range(1, top + 1))
 
 
 def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int], dim: int, itemsize: int,
-            device: torch.device, paged: bool = True) -> int:
+            device: torch.device, model: bool = True) -> int:
     """Key splits per query block for the split grid: with few query blocks (small batches, short
     queries) most SMs would sit idle while each program walks the whole history, so the keys are
     cut into more programs, each with at least `MIN_SPLIT_BLOCKS` key blocks. Each split writes its
-    own fp32 part, summed by `_sum_parts` or the norm gate's pass. A paged bf16/fp16 launch on tiles
+    own fp32 part, summed by `_sum_parts` or the norm gate's pass. With ``model`` (the caller's: a
+    paged launch whose ``max_kv_len`` bounds the histories tightly), a bf16/fp16 launch on tiles
     `MAKESPAN` has constants for takes the makespan model's count (`_makespan`); any other launch
-    (the jagged form, fp32, other tiles) cuts the keys into up to one wave of programs (`_resident`
-    per SM).
+    (the jagged form, fp32, other tiles or devices, a loose bound) cuts the keys into up to one wave
+    of programs (`_resident` per SM).
 
     NOTE: measured on the H200 (docs/BENCHMARKS.md):
     - the count is a runtime argument of the kernel, so any count fills the SMs (Triton compiles
@@ -531,16 +544,29 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
       wave better (`tune_attention.py grid`, the norm gate included): bs 8 with a 16384 history
       0.316 ms at 1 split, 0.263 at 4 (2.9 waves); bs 16 with 4096, 0.177 at 1 (1.45 waves),
       0.151 at 2. With `_launch_blocks`' choice of tiles, the model's launches were the sweep's
-      best in 10 of its 14 cases, within 2.4% in one more, 4.7% off at bs 4 with 16384 and 15% at
-      bs 16 with 1024 (64x32 tiles, which `MAKESPAN` lacks, win there), and at most 0.1% slower
-      than the one-wave rule's launch in any."""
-    if paged and itemsize == 2:
+      best in 11 of its 14 cases; in the other three it took 64x64 tiles where 128x128 ones ran
+      2.4% (bs 16, 4096) and 4.7% (bs 4, 16384) faster, and where 64x32 ones, which `MAKESPAN`
+      lacks, ran 15% faster (bs 16, 1024). It was at most 0.1% slower than the one-wave rule's
+      launch in any (the fit is in-sample; held-out checks in docs/BENCHMARKS.md)."""
+    if model and itemsize == 2:
         best = _makespan(n_programs, max_kv_len, blocks, dim, device)
         if best is not None:
             return best[1]
-    kv_blocks = triton.cdiv(max(max_kv_len, 1), blocks[1])
+    kv_blocks = _cdiv(max(max_kv_len, 1), blocks[1])
     wave = _num_sms(device) * _resident(blocks, dim, itemsize, device)
     return max(1, min(wave // max(n_programs, 1), kv_blocks // MIN_SPLIT_BLOCKS, 32))
+
+
+def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int, dim: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple:
+    """What a paged launch naming neither its tiles nor its split count takes (`_launch`'s choice,
+    by the same two rules): ``(blocks, splits)`` of the split grid, or ``("stream",)`` when
+    ``SCHEDULE`` runs stream-K (which does not depend on ``max_kv_len``). A CUDA graph bucket keys
+    on it, so histories whose bounds give the same launch share one graph."""
+    if SCHEDULE == "stream":
+        return ("stream",)
+    blocks = _launch_blocks(nq, bsz, heads, max_q_len, max_kv_len, dim, dtype, True, device)
+    return blocks, _default_splits(nq, bsz, heads, max_q_len, max_kv_len, blocks, dim, dtype.itemsize, device)
 
 
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
@@ -597,7 +623,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len, dim, q.dtype, paged, q.device)
                   if num_splits is None and not want_stream else _blocks(dim, q.dtype, paged, q.device))
     block_m, block_n, warps, stages = blocks
-    m_blocks = triton.cdiv(max(max_q_len, 1), block_m)
+    m_blocks = _cdiv(max(max_q_len, 1), block_m)
     if schedule is None:  # (the tiles' table of `_stream_tiles` lives in registers: bounded)
         schedule = "stream" if want_stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
     stream = schedule == "stream"
@@ -610,7 +636,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     elif num_splits is None:
         num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
                                      (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device,
-                                     paged and tight_kv_len)
+                                     model=paged and tight_kv_len)
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
@@ -665,7 +691,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             weight, bias, eps, u = norm_gate
             return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype)
         n = out.numel()
-        _sum_parts[(triton.cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
+        _sum_parts[(_cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
                                                   BLOCK=_SUM_BLOCK)
     return _gated(out, norm_gate)
 
