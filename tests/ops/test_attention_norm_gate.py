@@ -148,7 +148,7 @@ def triton_kernels_with_splits(monkeypatch, splits, fused_norm=True):
     the list that counts `sum_layer_norm_mul`'s calls."""
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
     monkeypatch.setattr(norm, "use_fused", lambda *a: fused_norm)
-    monkeypatch.setattr(tri, "_default_splits", lambda *a: splits)
+    monkeypatch.setattr(tri, "_default_splits", lambda *a, **k: splits)
     calls = []
     real = layer_norm.sum_layer_norm_mul
     monkeypatch.setattr(layer_norm, "sum_layer_norm_mul", lambda *a: calls.append(1) or real(*a))
