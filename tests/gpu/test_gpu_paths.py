@@ -356,7 +356,11 @@ def test_cuda_graph_buckets_replay_across_history_bounds(monkeypatch):
         return KVCacheModule(cfg, "gpu")
 
     worst, graphs, _ = _graph_vs_eager(model, make_cache, 5, lambda visit: 400 if visit else 700)
-    assert worst <= 1e-2, worst
+    # NOTE: the graphed and the eager step may split the keys differently (the bucket's bound against
+    # the real longest history), so their fp32 sums differ in order; this model's logits stay below 4
+    # (3.43 at most in fp32 on the CPU), where two bf16 steps are 2 ** -5. A wrong history (keys left
+    # out) moves logits by far more.
+    assert worst <= 2 * 2 ** -6, worst
     assert [bound for _, bound in seen] == [1024, 2048, 2048, 2048, 4096]  # each visit's own bound
     assert graphs.replays == 5 and graphs.captures == len(graphs._buckets) == len({k for k, _ in seen}) == 2
     # every bucket holds the first bound it was seen with; the last visit ran past its bucket's
