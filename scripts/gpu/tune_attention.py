@@ -77,6 +77,22 @@ def graphed(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
+def graphed_best(fns, ref, rounds=2):
+    """``(best, diffs)``: each launch's graphed ms (min of ``rounds`` interleaved rounds) and its max
+    difference from ``ref``; a launch that does not compile (shared memory) is reported and dropped."""
+    best, diffs = {}, {}
+    for label, fn in list(fns.items()):
+        try:
+            diffs[label] = (fn().float() - ref.float()).abs().max().item()
+        except Exception as e:
+            print(f"   {label}: {type(e).__name__}: {str(e)[:120]}")
+            del fns[label]
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            best[label] = min(best.get(label, float("inf")), graphed(fn))
+    return best, diffs
+
+
 def eager_us(fn, n=200):
     """Wall time per call of ``n`` eager calls (host launch cost included), in microseconds."""
     fn()
@@ -240,16 +256,7 @@ if MAIN and "small" in sys.argv[1:]:
                 fns[label + (" (rule)" if sp == rule else "")] = (
                     lambda bl=bl, sp=sp: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv,
                                                      num_splits=sp, blocks=bl, **gate))
-        best, diffs = {}, {}
-        for label, fn in list(fns.items()):
-            try:
-                diffs[label] = (fn().float() - ref.float()).abs().max().item()
-            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                print(f"   {label}: {type(e).__name__}: {str(e)[:120]}")
-                del fns[label]
-        for _ in range(2):
-            for label, fn in fns.items():
-                best[label] = min(best.get(label, float("inf")), graphed(fn))
+        best, diffs = graphed_best(fns, ref)
         tiles = tri._query_tiles(args[0].shape[0], bs, 3, 128) * 4
         gated = " with the norm gate" if gate else ""
         print(f"small bs{bs} d{dim} p{page} ({tiles} tiles of 128 rows x heads){gated}: "
@@ -289,16 +296,7 @@ if MAIN and "grid" in sys.argv[1:]:
                     continue
                 fns[(bl, sp)] = (lambda bl=bl, sp=sp: tri._launch(*args, 0.1, 4096.0, max_q, paged=True,
                                                                   max_kv_len=max_kv, num_splits=sp, blocks=bl, **gate))
-        best, diffs = {}, {}
-        for key, fn in list(fns.items()):
-            try:
-                diffs[key] = (fn().float() - ref.float()).abs().max().item()
-            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
-                print(f"   {key}: {type(e).__name__}: {str(e)[:120]}")
-                del fns[key]
-        for _ in range(2):
-            for key, fn in fns.items():
-                best[key] = min(best.get(key, float("inf")), graphed(fn))
+        best, diffs = graphed_best(fns, ref)
         print(f"grid d{dim} h{hist} bs{bs}: default {best[('default', 0)]:.4f} ms", flush=True)
         rows = []
         for (bl, sp), ms in sorted(best.items(), key=lambda kv: kv[1]):
