@@ -307,7 +307,8 @@ class CachedStackGraphs:
              max_total_len: int, table: torch.Tensor) -> tuple[tuple, int]:
         """``(key, history bound)`` of a step: its `bucket_key` and the attention launch its history
         bound gives (`hstu_attention.paged_launch`, remembered per shape and bound), so bounds that
-        launch alike share one bucket. The bound is what the bucket's launch passes."""
+        launch alike share one bucket. A new bucket's launch passes this bound; later steps replay
+        the bucket with the bound it was made with (the same launch)."""
         shape = bucket_key(batch_size, num_query_tokens, num_new_tokens, max_q_len, self.token_quantum,
                            self.new_quantum, self.q_quantum)
         hist = history_bound(max_total_len, self._max_history)
@@ -358,6 +359,7 @@ class CachedStackGraphs:
             if self._table is not None:
                 logger.info("the cache's KV table moved: dropping %d captured buckets", len(self._buckets))
             self._buckets.clear()
+            self._launches.clear()  # (a table on another device may launch otherwise)
             self._table = table
         key, hist = self._key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
                               meta.max_total_len, table)

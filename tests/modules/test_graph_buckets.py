@@ -100,7 +100,7 @@ def test_a_full_set_of_buckets_gives_up_only_an_idle_least_recently_used_one():
 def test_buckets_key_on_the_attention_launch_their_history_bound_gives(monkeypatch):
     """`CachedStackGraphs._key`: the bucket shape plus the attention launch (tiles, split count) of
     the step's history bound, on an H200's sizes, head_dim 128, 4 heads, bf16, a cache of 16384
-    tokens. bs 1 (a few-tile launch: 64-row tiles, the one-wave count) launches alike at every
+    tokens. bs 1 (a few-tile launch: 64-row tiles, 7 splits by the model) launches alike at every
     bound, so one bucket serves histories 500 to 4096; bs 8 (16 users with the padding one, whose
     rows count as a user's) takes other split counts at 1024, 4096 and 16384 (the makespan model),
     so those are three buckets. The bound returned is the step's own, what the bucket's launch

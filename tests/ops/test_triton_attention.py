@@ -174,7 +174,8 @@ GRID_BEST = {
 }
 GRID_RULE_ELSEWHERE = {  # best measured, the rule's: ms of each in that sweep
     (128, 1024, 16): ((64, 64, 4, 2), 2),  # 64x32 tiles unsplit 0.0510; the rule's 0.0588 (the one-wave rule 0.0628)
-    (128, 4096, 16): ((64, 64, 4, 2), 2),  # 64x32 unsplit 0.1501; the rule's 0.1537 (one-wave 0.1773)
+    (128, 4096, 16): ((64, 64, 4, 2), 2),  # 64x32 unsplit 0.1501 (128x128, 2: 0.1506); the rule's 0.1537
+    #                                          (one-wave 0.1773)
     (128, 16384, 4): ((64, 64, 4, 2), 8),  # 128x128 with 5 splits 0.1415; the rule's 0.1482 (one-wave 0.1629)
 }
 
@@ -507,3 +508,35 @@ def test_gpu_training_gradients_equal_the_reference():
     for n in ("q", "k", "v"):
         torch.testing.assert_close(grads["fp32"][n], grads["cpu"][n], rtol=1e-4, atol=1e-5)
         assert torch.isfinite(grads["bf16"][n]).all() and grads["bf16"][n].abs().sum() > 0
+
+
+def test_paged_launch_names_what_the_launch_takes(monkeypatch):
+    """`paged_launch` (what a graph bucket keys on) names the tiles and split count `_launch` takes
+    for a paged launch naming neither, on the interpreter with an H200's sizes; under
+    ``SCHEDULE=stream`` it names stream-K while the tiles' table fits, else the split grid's
+    fallback."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    _, paged = build([400, 0, 300], [3, 2, 9], [20, 0, 30], 8, 2, 16, torch.float16, "cpu")
+    args = {**paged, "max_q_len": 64}
+    took = []
+    real = tri._hstu_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                block_m = kw["BLOCK_M"]
+                took.append(((block_m, kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]),
+                             grid[0] // -(-64 // block_m)))  # the grid: query blocks x splits
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(tri, "_hstu_fwd", Spy())
+    run(tri, "paged", args)
+    assert took[0][1] > 1  # a split launch
+    assert tri.paged_launch(paged["q"].shape[0], 3, 2, 64, paged["max_history_len"], 16, torch.float16,
+                            torch.device("cpu")) == took[0]
+    monkeypatch.setattr(tri, "SCHEDULE", "stream")
+    assert tri.paged_launch(100, 3, 2, 64, 4096, 16, torch.float16, torch.device("cpu")) == ("stream",)
+    assert tri.paged_launch(10_000, 5000, 2, 64, 4096, 16, torch.float16, torch.device("cpu"))[0] == \
+        tri._blocks(16, torch.float16, True, torch.device("cpu"))

@@ -544,9 +544,9 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
       wave better (`tune_attention.py grid`, the norm gate included): bs 8 with a 16384 history
       0.316 ms at 1 split, 0.263 at 4 (2.9 waves); bs 16 with 4096, 0.177 at 1 (1.45 waves),
       0.151 at 2. With `_launch_blocks`' choice of tiles, the model's launches were the sweep's
-      best in 11 of its 14 cases; in the other three it took 64x64 tiles where 128x128 ones ran
-      2.4% (bs 16, 4096) and 4.7% (bs 4, 16384) faster, and where 64x32 ones, which `MAKESPAN`
-      lacks, ran 15% faster (bs 16, 1024). It was at most 0.1% slower than the one-wave rule's
+      best in 11 of its 14 cases; in the other three it was 15% (bs 16, 1024) and 2.4% (bs 16,
+      4096) slower than the 64x32 tiles, which `MAKESPAN` lacks, and 4.7% slower than 128x128
+      tiles with 5 splits (bs 4, 16384). It was at most 0.1% slower than the one-wave rule's
       launch in any (the fit is in-sample; held-out checks in docs/BENCHMARKS.md)."""
     if model and itemsize == 2:
         best = _makespan(n_programs, max_kv_len, blocks, dim, device)
@@ -561,11 +561,15 @@ def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
                  device: torch.device) -> tuple:
     """What a paged launch naming neither its tiles nor its split count takes (`_launch`'s choice,
     by the same two rules): ``(blocks, splits)`` of the split grid, or ``("stream",)`` when
-    ``SCHEDULE`` runs stream-K (which does not depend on ``max_kv_len``). A CUDA graph bucket keys
-    on it, so histories whose bounds give the same launch share one graph."""
+    ``SCHEDULE`` runs stream-K (which does not depend on ``max_kv_len``; past `_STREAM_TILES` it
+    falls back to the split grid on `_blocks`' tiles). A CUDA graph bucket keys on it, so histories
+    whose bounds give the same launch share one graph."""
     if SCHEDULE == "stream":
-        return ("stream",)
-    blocks = _launch_blocks(nq, bsz, heads, max_q_len, max_kv_len, dim, dtype, True, device)
+        blocks = _blocks(dim, dtype, True, device)
+        if _pad(bsz) * _pad(_cdiv(max(max_q_len, 1), blocks[0])) <= _STREAM_TILES:
+            return ("stream",)
+    else:
+        blocks = _launch_blocks(nq, bsz, heads, max_q_len, max_kv_len, dim, dtype, True, device)
     return blocks, _default_splits(nq, bsz, heads, max_q_len, max_kv_len, blocks, dim, dtype.itemsize, device)
 
 
