@@ -47,16 +47,17 @@ def _pow2(x: int) -> int:
 
 EXACT_USERS = 8  # buckets of fewer users (padding user included) key on the exact count
 TOKEN_QUANTUM, NEW_QUANTUM, Q_QUANTUM = 256, 128, 128  # `CachedStackGraphs`' default paddings
-HISTORY_QUANTUM = 1024  # the least history bound a bucket keys on
+HISTORY_QUANTUM = 1024  # the least history bound (`history_bound`)
 
 
 def history_bound(max_history_len: int, capacity: int) -> int:
-    """The history bound a bucket keys on: the step's longest history (new tokens included) up to a
-    power of two, at least `HISTORY_QUANTUM`, at most the cache's ``capacity`` in tokens. The
-    bucket's attention launch takes it as ``max_history_len``, from which the split rule weighs a
-    program's work (`gr_plugin.ops.triton.hstu_attention._makespan`); the kernel itself reads every
-    user's length from the device, so the bound picks the launch only (a bucket whose launch another
-    bound gives too replays past its own bound and computes the same)."""
+    """The history bound whose attention launch a bucket keys on (`CachedStackGraphs._key`): the
+    step's longest history (new tokens included) up to a power of two, at least `HISTORY_QUANTUM`,
+    at most the cache's ``capacity`` in tokens. The bucket's attention launch takes it as
+    ``max_history_len``, from which the split rule weighs a program's work
+    (`gr_plugin.ops.triton.hstu_attention._makespan`); the kernel itself reads every user's length
+    from the device, so the bound picks the launch only (a bucket whose launch another bound gives
+    too replays past its own bound and computes the same)."""
     return max(1, min(capacity, max(HISTORY_QUANTUM, _pow2(max_history_len))))
 
 

@@ -696,7 +696,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype)
         n = out.numel()
         _sum_parts[(_cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
-                                                  BLOCK=_SUM_BLOCK)
+                                            BLOCK=_SUM_BLOCK)
     return _gated(out, norm_gate)
 
 
