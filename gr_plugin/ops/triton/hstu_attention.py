@@ -559,18 +559,14 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
 
 def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int, dim: int, dtype: torch.dtype,
                  device: torch.device) -> tuple:
-    """What a paged launch naming neither its tiles nor its split count takes (`_launch`'s choice,
-    by the same two rules): ``(blocks, splits)`` of the split grid, or ``("stream",)`` when
+    """What a paged launch naming neither its tiles nor its split count takes (`_plan`, which
+    `_launch` asks): ``(blocks, splits)`` of the split grid, or ``("stream",)`` when
     ``SCHEDULE`` runs stream-K (which does not depend on ``max_kv_len``; past `_STREAM_TILES` it
     falls back to the split grid on `_blocks`' tiles). A CUDA graph bucket keys on it, so histories
     whose bounds give the same launch share one graph."""
-    if SCHEDULE == "stream":
-        blocks = _blocks(dim, dtype, True, device)
-        if _pad(bsz) * _pad(_cdiv(max(max_q_len, 1), blocks[0])) <= _STREAM_TILES:
-            return ("stream",)
-    else:
-        blocks = _launch_blocks(nq, bsz, heads, max_q_len, max_kv_len, dim, dtype, True, device)
-    return blocks, _default_splits(nq, bsz, heads, max_q_len, max_kv_len, blocks, dim, dtype.itemsize, device)
+    blocks, stream, splits = _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, True, None, None,
+                                   None, True)
+    return ("stream",) if stream else (blocks, splits)
 
 
 def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
@@ -587,6 +583,33 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
     if not kv.is_contiguous() or kv.dtype.itemsize != 2 or kv.numel() == 0 or kv.data_ptr() % 16:
         return False  # (a descriptor needs a 16-byte aligned base)
     return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
+
+
+def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_splits, blocks, schedule,
+          tight_kv_len):
+    """``(blocks, stream, num_splits)`` of a launch (`_launch`'s arguments): the tiles where the
+    caller names none (`_launch_blocks` where the split rule picks the count, else `_blocks`), the
+    schedule (``schedule``, or ``SCHEDULE`` where none is named: stream-K while its tiles' table
+    fits, else the split grid) and the split count (1 for stream-K; `_default_splits` where none is
+    named)."""
+    want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
+    if blocks is None:  # the few-tile blocks only where the split rule picks the count
+        kv_len = (max_kv_len if max_kv_len is not None else max_q_len) if tight_kv_len else None
+        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len, dim, dtype, paged, device)
+                  if num_splits is None and not want_stream else _blocks(dim, dtype, paged, device))
+    m_blocks = _cdiv(max(max_q_len, 1), blocks[0])
+    if schedule is None:  # (the tiles' table of `_stream_tiles` lives in registers: bounded)
+        schedule = "stream" if want_stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
+    stream = schedule == "stream"
+    if stream and _pad(bsz) * _pad(m_blocks) > _STREAM_TILES:
+        raise ValueError(f"stream-K holds the tiles' table in registers: {bsz} users x {m_blocks} query blocks "
+                         f"(padded to powers of two) exceed {_STREAM_TILES}; use schedule='split'")
+    if stream:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
+                                     blocks, dim, dtype.itemsize, device, model=paged and tight_kv_len)
+    return blocks, stream, num_splits
 
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
@@ -619,28 +642,14 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8, head_dim
     # 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so it runs only
     # where asked for. Sizes are taken apart only where the split rule or stream-K's bound needs them
-    # (here, `_launch_blocks`, `_default_splits`): a traced launch names num_splits=1 and may hold
+    # (`_plan`: `_launch_blocks`, `_default_splits`): a traced launch names num_splits=1 and may hold
     # symbolic ones.
-    want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
-    if blocks is None:  # the few-tile blocks only where the split rule picks the count
-        kv_len = (max_kv_len if max_kv_len is not None else max_q_len) if tight_kv_len else None
-        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len, dim, q.dtype, paged, q.device)
-                  if num_splits is None and not want_stream else _blocks(dim, q.dtype, paged, q.device))
+    blocks, stream, num_splits = _plan(nq, bsz, heads, dim, q.dtype, q.device, max_q_len, max_kv_len, paged,
+                                       num_splits, blocks, schedule, tight_kv_len)
     block_m, block_n, warps, stages = blocks
     m_blocks = _cdiv(max(max_q_len, 1), block_m)
-    if schedule is None:  # (the tiles' table of `_stream_tiles` lives in registers: bounded)
-        schedule = "stream" if want_stream and _pad(bsz) * _pad(m_blocks) <= _STREAM_TILES else "split"
-    stream = schedule == "stream"
-    if stream and _pad(bsz) * _pad(m_blocks) > _STREAM_TILES:
-        raise ValueError(f"stream-K holds the tiles' table in registers: {bsz} users x {m_blocks} query blocks "
-                         f"(padded to powers of two) exceed {_STREAM_TILES}; use schedule='split'")
     if stream:
-        num_splits = 1
         programs = programs or _num_sms(q.device)
-    elif num_splits is None:
-        num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
-                                     (block_m, block_n, warps, stages), dim, q.dtype.itemsize, q.device,
-                                     model=paged and tight_kv_len)
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
