@@ -25,7 +25,9 @@ H2D, D2H = 1, 2  # cudaMemcpyKind
 class Runtime:
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp = ctypes.c_void_p
-        self._memcpy = _fn(lib.cudaMemcpyAsync, vp, vp, ctypes.c_size_t, ctypes.c_int, vp)
+        sz = ctypes.c_size_t
+        self._memcpy = _fn(lib.cudaMemcpyAsync, vp, vp, sz, ctypes.c_int, vp)
+        self._memcpy2d = _fn(lib.cudaMemcpy2DAsync, vp, sz, vp, sz, sz, sz, ctypes.c_int, vp)
         self._create = _fn(lib.cudaEventCreateWithFlags, ctypes.POINTER(vp), ctypes.c_uint)
         self._record = _fn(lib.cudaEventRecord, vp, vp)
         self._wait = _fn(lib.cudaStreamWaitEvent, vp, vp, ctypes.c_uint)
@@ -34,6 +36,15 @@ class Runtime:
         err = self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
         if err != 0:
             _check(err, f"cudaMemcpyAsync({nbytes} bytes, kind {kind})")
+
+    def memcpy2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, kind: int,
+                       stream: torch.cuda.Stream) -> None:
+        """``rows`` byte ranges of ``width`` bytes, ``src_pitch`` apart in the source and ``dst_pitch``
+        apart in the destination, in one copy (a pitch past the device's limit is an error)."""
+        err = self._memcpy2d(dst, dst_pitch, src, src_pitch, width, rows, kind, stream.cuda_stream)
+        if err != 0:
+            _check(err, f"cudaMemcpy2DAsync({rows} rows of {width} bytes, pitches {src_pitch} / {dst_pitch}, "
+                        f"kind {kind})")
 
     def create_event(self) -> int:
         """A CUDA event without timing (never destroyed: one per transfer engine)."""

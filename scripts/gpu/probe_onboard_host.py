@@ -1,0 +1,111 @@
+"""Where does the host time before a layerwise onboard's first copy go? (the 2K tiers row of
+docs/BENCHMARKS.md: the GPU idles from the request's first event until the first copy starts)
+
+python3 scripts/gpu/probe_onboard_host.py [tokens] [repeats]
+
+The tiers bench's bs-1 block (head_dim 128, page 128, 128 new events) with every cached page in the
+host tier. Times ``onboard_launch`` unprofiled: host µs from the call to its first raw copy launch
+and to its return (medians), then the host cost of each step it takes, each in a loop of its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from gr_plugin.bench.block import Block
+from gr_plugin.cache import cudart
+from gr_plugin.cache.transfer import joint_runs
+
+
+def _loop_us(fn, n: int = 2000) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main(tokens: int = 2048, repeats: int = 50) -> None:
+    new, page = 128, 128
+    npg = -(-tokens // page)
+    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    m = blk.cache
+    blk.fill([1], tokens - new)
+    m.offload_flush()
+    rt = cudart.runtime()
+    raw_memcpy = rt.memcpy_async
+    first: list[float] = []
+
+    def spy(*args):  # the first raw copy's launch time of each onboard
+        if not first:
+            first.append(time.perf_counter())
+        raw_memcpy(*args)
+
+    rt.memcpy_async = spy
+    to_first, total = [], []
+    with torch.no_grad():
+        for r in range(repeats + 3):
+            m.evict([1])
+            plan = blk.plan([1], tokens)
+            torch.cuda.synchronize()
+            first.clear()
+            t0 = time.perf_counter()
+            handle = m.onboard_launch(plan)
+            t1 = time.perf_counter()
+            handle.wait()
+            torch.cuda.synchronize()
+            if r >= 3:
+                to_first.append((first[0] - t0) * 1e6)
+                total.append((t1 - t0) * 1e6)
+            m.abort(plan)
+            m.offload_flush()
+    rt.memcpy_async = raw_memcpy
+    print(f"tokens {tokens}: onboard_launch host us: to first copy {statistics.median(to_first):.1f}, "
+          f"return {statistics.median(total):.1f} (look-ahead {m.transfer.onboard_lookahead})")
+
+    m.evict([1])
+    plan = blk.plan([1], tokens)
+    host = plan.host_metadata
+    ind = plan.metadata.field_offsets["kv_indices"][0]
+    slots = plan.onboard_src[0][2]
+    dst = host[ind : ind + slots.numel()]
+    eng = m.transfer
+    stream = eng.h2d_stream
+    src_t, dst_t = m.backend.host_table, m.kv_table
+    copier = eng._raw_copier(src_t, dst_t)
+    event = rt.create_event()
+
+    def live() -> None:
+        with m._lock:
+            m._check_live(plan)
+
+    steps = {
+        "manager lock + _check_live": live,
+        "int(host_metadata[i])": lambda: int(host[ind]),
+        "host_metadata slice": lambda: host[ind : ind + slots.numel()],
+        "joint_runs(tolist, tolist)": lambda: joint_runs(slots.tolist(), dst.tolist()),
+        "_raw_copier (cached)": lambda: eng._raw_copier(src_t, dst_t),
+        "_fence (record + wait, raw)": lambda: eng._fence(stream),
+        "raw copy, one page": lambda: copier(0, int(slots[0]), int(dst[0]), 1, stream),
+        "raw 2-D copy, 2 layers x one page": lambda: rt.memcpy2d_async(
+            dst_t[0, int(dst[0])].data_ptr(), dst_t.stride(0) * dst_t.element_size(),
+            src_t[0, int(slots[0])].data_ptr(), src_t.stride(0) * src_t.element_size(),
+            src_t[0, 0].numel() * src_t.element_size(), 2, cudart.H2D, stream),
+        "torch.cuda.Event() + record": lambda: torch.cuda.Event().record(stream),
+        "raw cudaEventRecord": lambda: rt._record(event, stream.cuda_stream),
+    }
+    for name, fn in steps.items():
+        us = _loop_us(fn)
+        torch.cuda.synchronize()
+        print(f"  {name:>36}: {us:6.2f} us")
+    m.abort(plan)
+    m.close()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(int(args[0]) if args else 2048, int(args[1]) if len(args) > 1 else 50)
