@@ -224,19 +224,21 @@ class _LazyCudaHandle(_CudaHandle):
     the profiler's slower host one layer ahead left the copy engine idle; unprofiled, 1, 2 and 8
     layers ahead measured the same (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
     for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
-    lazy.
+    lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
+    without waiting for this bookkeeping) passes that layer's event as ``first``.
     """
 
     def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int,
-                 mark: Callable[[], torch.cuda.Event] | None = None, ahead: int = 1) -> None:
+                 mark: Callable[[], torch.cuda.Event] | None = None, ahead: int = 1,
+                 first: torch.cuda.Event | None = None) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1 layer, got {ahead}")
-        super().__init__([], num_pages, None)
+        super().__init__([] if first is None else [first], num_pages, None)
         self.num_layers = num_layers
         self.ahead = ahead
         self._issue, self._mark = issue, mark
         self._failed: BaseException | None = None
-        self._upto(0)
+        self._upto(0)  # (nothing to do when the caller issued layer 0 itself: ``first``, its event)
         self._ahead(ahead)
 
     def _settle(self) -> None:
@@ -350,6 +352,7 @@ class CudaTransferEngine(TransferEngine):
         self.d2h_stream = torch.cuda.Stream(device=device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._copiers: dict[tuple, Callable | None] = {}
+        self._last: tuple | None = None  # (src, dst weakly, their data pointers, copier) of the last one asked for
         self._fence_event: int | None = None
         self._fence_lock = threading.Lock()
 
@@ -368,6 +371,9 @@ class CudaTransferEngine(TransferEngine):
         """`raw_copier` of two tables, remembered per layout (the transfer engine's tables live long)."""
         if not self.raw_copies:
             return None
+        last = self._last  # NOTE: the same two table objects as last time (the usual case) skip the key
+        if last is not None and last[0]() is src and last[1]() is dst and last[2] == (src.data_ptr(), dst.data_ptr()):
+            return last[3]
         key = (src.data_ptr(), src.shape, src.stride(), src.dtype, dst.data_ptr(), dst.shape, dst.stride(), dst.dtype)
         copier = self._copiers.get(key, _UNSET)  # no check-then-index: other threads may clear it
         if copier is _UNSET:
@@ -375,6 +381,8 @@ class CudaTransferEngine(TransferEngine):
             if len(self._copiers) > 64:
                 self._copiers.clear()
             self._copiers[key] = copier
+        # NOTE: weak references: the engine keeps no table alive, and a dead one never matches
+        self._last = (weakref.ref(src), weakref.ref(dst), (key[0], key[4]), copier)
         return copier
 
     def _fence(self, stream: torch.cuda.Stream) -> None:
@@ -426,7 +434,11 @@ class CudaTransferEngine(TransferEngine):
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 return ev
-            return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead)
+            # NOTE: layer 0 first, then the handle's bookkeeping: the step's first wait is for these
+            # copies, and until they are queued the copy engine idles (a failure here is `copy`'s,
+            # which waits for whatever of layer 0 was queued before raising)
+            first = issue(0)
+            return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead, first=first)
         caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
             # per-layer views of each run from one slice + unbind

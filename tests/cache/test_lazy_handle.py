@@ -101,6 +101,17 @@ def test_a_layer_that_fails_partway_is_waited_for_through_the_mark():
         handle.wait()
 
 
+def test_a_layer_zero_issued_by_the_caller_is_not_issued_again():
+    """The engine queues layer 0's copies before building the handle (``first``: their event)."""
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log), 3, 1, first=Event(0, log))
+    assert log == [("issue", 1)]  # only the look-ahead
+    handle.wait()
+    assert log == [("issue", 1), ("issue", 2), ("sync", 2)]
+    one = _LazyCudaHandle(issuer(log := []), 1, 1, first=Event(0, log))
+    assert log == [] and one.done()
+
+
 def test_a_failed_first_launch_raises_from_the_constructor():
     log: list = []
     with pytest.raises(RuntimeError, match="at layer 0"):
@@ -146,3 +157,25 @@ def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
     with pytest.raises(ValueError, match="got 0"):
         engine.onboard_lookahead = 0
     assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was
+
+
+def test_the_raw_copier_is_remembered_for_the_same_two_tables(monkeypatch):
+    """The last pair of tables skips the layout key; another table, one whose storage was swapped
+    (``set_``) or a dead one never gets the remembered copier."""
+    from gr_plugin.cache import transfer
+
+    made = []
+    monkeypatch.setattr(transfer, "raw_copier", lambda s, d: made.append((s.data_ptr(), d.data_ptr())) or made[-1])
+    engine = object.__new__(transfer.CudaTransferEngine)  # (no CUDA here: the copier cache alone)
+    engine.raw_copies, engine._copiers, engine._last = True, {}, None
+    a, b = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)
+    assert engine._raw_copier(a, b) == (a.data_ptr(), b.data_ptr()) and len(made) == 1
+    engine._copiers.clear()  # the same two objects: answered without the keyed cache
+    assert engine._raw_copier(a, b) == (a.data_ptr(), b.data_ptr()) and len(made) == 1
+    assert engine._raw_copier(b, a) == (b.data_ptr(), a.data_ptr()) and len(made) == 2  # another pair
+    b.set_(torch.zeros(2, 3, 4))  # the same object, other storage
+    assert engine._raw_copier(b, a) == (b.data_ptr(), a.data_ptr()) and len(made) == 3
+    del a
+    assert engine._last[1]() is None  # not kept alive by the engine
+    engine.raw_copies = False
+    assert engine._raw_copier(b, b) is None
