@@ -1,6 +1,7 @@
 """``cudaMemcpyAsync`` of the CUDA runtime torch already loaded, called through ctypes.
 
-Owns finding that runtime and launching raw copies of contiguous byte ranges on a stream. A copy
+Owns finding that runtime and launching raw copies of contiguous byte ranges (and 2-D copies of
+equally spaced ranges, which the copy probes use) on a stream. A copy
 launched this way costs about a microsecond of host time, against ~10 µs for ``Tensor.copy_``
 through the dispatcher; the transfer engine launches one per layer and run of pages, on the request
 path, so that host time delays the first layer of a layerwise onboard (docs/BENCHMARKS.md, tiers).

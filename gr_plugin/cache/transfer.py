@@ -352,7 +352,6 @@ class CudaTransferEngine(TransferEngine):
         self.d2h_stream = torch.cuda.Stream(device=device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._copiers: dict[tuple, Callable | None] = {}
-        self._last: tuple | None = None  # (src, dst weakly, their data pointers, copier) of the last one asked for
         self._fence_event: int | None = None
         self._fence_lock = threading.Lock()
 
@@ -371,9 +370,6 @@ class CudaTransferEngine(TransferEngine):
         """`raw_copier` of two tables, remembered per layout (the transfer engine's tables live long)."""
         if not self.raw_copies:
             return None
-        last = self._last  # NOTE: the same two table objects as last time (the usual case) skip the key
-        if last is not None and last[0]() is src and last[1]() is dst and last[2] == (src.data_ptr(), dst.data_ptr()):
-            return last[3]
         key = (src.data_ptr(), src.shape, src.stride(), src.dtype, dst.data_ptr(), dst.shape, dst.stride(), dst.dtype)
         copier = self._copiers.get(key, _UNSET)  # no check-then-index: other threads may clear it
         if copier is _UNSET:
@@ -381,8 +377,6 @@ class CudaTransferEngine(TransferEngine):
             if len(self._copiers) > 64:
                 self._copiers.clear()
             self._copiers[key] = copier
-        # NOTE: weak references: the engine keeps no table alive, and a dead one never matches
-        self._last = (weakref.ref(src), weakref.ref(dst), (key[0], key[4]), copier)
         return copier
 
     def _fence(self, stream: torch.cuda.Stream) -> None:

@@ -12,7 +12,7 @@ from a start event that every stream waits on to the last stream's end (the host
 first behind a short sleep kernel, so no host time is counted). Ways, interleaved, medians (and,
 for the per-layer ways, when each layer's bytes were all in, median µs from the start):
 - ``one``: one copy of as many contiguous bytes on one stream (the tiers bench's floor);
-- ``layers``: one copy per layer on one stream, an event after each (the onboard before 2-D groups);
+- ``layers``: one copy per layer on one stream, an event after each (the onboard's copies);
 - ``bare``: the same copies without the events;
 - ``groups``: 2-D copies of layer groups 0 | 1 2 | 3 4 | 5 6 | 7 (the last layer alone: it is what
   the step's tail waits for), an event after each;

@@ -112,6 +112,16 @@ def test_a_layer_zero_issued_by_the_caller_is_not_issued_again():
     assert log == [] and one.done()
 
 
+def test_a_failed_look_ahead_behind_a_caller_issued_layer_0_waits_through_the_mark():
+    log: list = []
+    handle = _LazyCudaHandle(issuer(log, fail_at=1), 3, 1, mark=lambda: Event("mark", log), first=Event(0, log))
+    assert log == [("sync", "mark")]  # whatever layer 1 queued, and layer 0, have run
+    for call in (lambda: handle.wait_layer(0), handle.wait, handle.done):
+        with pytest.raises(TransferError, match="at layer 1"):
+            call()
+    assert log == [("sync", "mark")]
+
+
 def test_a_failed_first_launch_raises_from_the_constructor():
     log: list = []
     with pytest.raises(RuntimeError, match="at layer 0"):
@@ -158,24 +168,3 @@ def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
         engine.onboard_lookahead = 0
     assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was
 
-
-def test_the_raw_copier_is_remembered_for_the_same_two_tables(monkeypatch):
-    """The last pair of tables skips the layout key; another table, one whose storage was swapped
-    (``set_``) or a dead one never gets the remembered copier."""
-    from gr_plugin.cache import transfer
-
-    made = []
-    monkeypatch.setattr(transfer, "raw_copier", lambda s, d: made.append((s.data_ptr(), d.data_ptr())) or made[-1])
-    engine = object.__new__(transfer.CudaTransferEngine)  # (no CUDA here: the copier cache alone)
-    engine.raw_copies, engine._copiers, engine._last = True, {}, None
-    a, b = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)
-    assert engine._raw_copier(a, b) == (a.data_ptr(), b.data_ptr()) and len(made) == 1
-    engine._copiers.clear()  # the same two objects: answered without the keyed cache
-    assert engine._raw_copier(a, b) == (a.data_ptr(), b.data_ptr()) and len(made) == 1
-    assert engine._raw_copier(b, a) == (b.data_ptr(), a.data_ptr()) and len(made) == 2  # another pair
-    b.set_(torch.zeros(2, 3, 4))  # the same object, other storage
-    assert engine._raw_copier(b, a) == (b.data_ptr(), a.data_ptr()) and len(made) == 3
-    del a
-    assert engine._last[1]() is None  # not kept alive by the engine
-    engine.raw_copies = False
-    assert engine._raw_copier(b, b) is None

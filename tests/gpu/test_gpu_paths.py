@@ -220,6 +220,36 @@ def test_a_copy_failing_partway_has_its_queued_copies_done_before_the_error(dire
         assert (host[:2] == 0).all() and (host[2:] == 1).all()
 
 
+def test_a_raw_onboard_failing_partway_through_layer_0_waits_for_its_queued_runs(monkeypatch):
+    """Raw copies: the engine queues layer 0 before it builds the lazy handle, so a failure there is
+    ``copy``'s to handle: layer 0's first run (queued) has run when the error reaches the caller,
+    its second run never went, and no later layer was launched."""
+    from gr_plugin.cache import transfer
+
+    host = torch.ones(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16).pin_memory()  # 16 MiB a layer
+    dev = torch.zeros(4, 64, 2, 128, 4, 128, dtype=torch.bfloat16, device="cuda")
+    src, dst = torch.tensor([*range(0, 40), 50]), torch.tensor([*range(0, 40), 60])  # two runs
+    engine = transfer.CudaTransferEngine(torch.device("cuda"))
+    real = transfer.raw_copier(host, dev)
+    assert real is not None, "no raw copies on this machine"
+    calls = []
+
+    def failing(layer, s0, d0, count, stream):
+        calls.append((layer, s0, count))
+        if len(calls) == 2:
+            raise RuntimeError("injected raw copy failure")
+        real(layer, s0, d0, count, stream)
+
+    monkeypatch.setattr(engine, "_raw_copier", lambda a, b: failing)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # the copies queue behind this on the caller's stream (fenced)
+    with pytest.raises(RuntimeError, match="injected raw copy failure"):
+        engine.copy(host, src, dev, dst)
+    assert calls == [(0, 0, 40), (0, 50, 1)] and engine.h2d_stream.query()  # layer 0's first run has run
+    torch.cuda.synchronize()
+    assert (dev[0, :40] == 1).all() and (dev[0, 40:] == 0).all() and (dev[1:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_model_on_gpu_matches_full_recompute(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
