@@ -1,0 +1,132 @@
+"""Would grouped 2-D onboard copies make a layerwise host hit faster? (the 2K tiers row of
+docs/BENCHMARKS.md: the copy probe puts the last layer in ~9 µs sooner with layers 1-6 copied in
+pairs; whether the request gains depends on each group's layers computing within the next copy)
+
+python3 scripts/gpu/probe_grouped_onboard.py [tokens ...] [repeats=N]   (default 2048 4096, 20)
+
+The tiers bench's bs-1 block and static step (`gr_plugin.bench.block`: head_dim 128, page 128, 128
+new events, 256 candidates) with every cached page in the host tier. Each request is timed as the
+bench times its layerwise host hit (an event, the onboard, the metadata load, the layer segments
+each behind its layer's wait, an event), the onboard done these ways, interleaved, medians:
+- ``engine``: the transfer engine's (`KVCacheManager.onboard_launch`), as the bench;
+- ``layers``: this script's raw copies, one per layer and run, every layer queued at once, an
+  event after each layer;
+- ``pairs``: layers 0 | 1 2 | 3 4 | 5 6 | 7 (for 8 layers), each group one 2-D copy per run, the
+  group's layers' waits on the event after it;
+- ``front``: 0 1 | 2 3 | 4 5 | 6 | 7, the pairs first.
+``layers`` against the groups isolates the grouping; ``engine`` against ``layers`` the launch path.
+The transfer floor (one pinned copy of the same bytes, as the bench) is printed next to them. The
+first request of each way checks that the onboarded device pages equal the host pages.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from gr_plugin.bench.block import Block, StaticStep, _time_ms
+from gr_plugin.cache import cudart
+from gr_plugin.cache.transfer import joint_runs
+
+
+def groupings(layers: int) -> dict[str, list[list[int]]]:
+    """Each way's groups of layers, in copy order (the last layer always alone: the step's tail
+    waits for it)."""
+    if layers < 3:
+        return {"layers": [[i] for i in range(layers)]}
+    pairs = [[0]] + [list(range(i, min(i + 2, layers - 1))) for i in range(1, layers - 1, 2)] + [[layers - 1]]
+    front = [[i, i + 1] for i in range(0, layers - 2, 2)] + [[i] for i in range(layers - 2 + layers % 2, layers)]
+    return {"layers": [[i] for i in range(layers)], "pairs": pairs, "front": front}
+
+
+def _pages(m, plan) -> tuple[list[int], list[int]]:
+    """The plan's onboard as host slots and device pages (as `KVCacheManager.onboard_launch` reads them)."""
+    hb, offsets = plan.host_metadata.numpy(), plan.metadata.field_offsets
+    indptr, indices = offsets["kv_indptr"][0], offsets["kv_indices"][0]
+    src, dst = [], []
+    for b, first, slots in plan.onboard_src:
+        at = indices + int(hb[indptr + b]) + first
+        src += slots.tolist()
+        dst += hb[at : at + slots.numel()].tolist()
+    return src, dst
+
+
+def onboard(m, plan, groups: list[list[int]]) -> list[torch.cuda.Event]:
+    """Every group's copies queued on the engine's copy stream behind the caller's stream; each
+    layer's event."""
+    rt = cudart.runtime()
+    src, dst = _pages(m, plan)
+    (s_base, s_layer, page), (d_base, d_layer, _) = cudart.page_layout(m.backend.host_table), \
+        cudart.page_layout(m.kv_table)
+    stream = m.transfer.h2d_stream
+    m.transfer._fence(stream)  # (the engine's raw fence: `wait_stream` costs tens of µs)
+    events: list = [None] * m.config.num_layers
+    for g in groups:
+        for s0, d0, n in joint_runs(src, dst):
+            to, fro = d_base + g[0] * d_layer + d0 * page, s_base + g[0] * s_layer + s0 * page
+            if len(g) == 1:
+                rt.memcpy_async(to, fro, n * page, cudart.H2D, stream)
+            else:
+                rt.memcpy2d_async(to, d_layer, fro, s_layer, n * page, len(g), cudart.H2D, stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        for i in g:
+            events[i] = ev
+    return events
+
+
+def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: int = 128) -> None:
+    cached = tokens - new
+    npg = -(-tokens // page)
+    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    m = blk.cache
+    blk.fill([1], cached)
+    m.offload_flush()
+    nbytes = (cached // page) * m.config.page_bytes
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    floor = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    ways = {"engine": None, **groupings(m.config.num_layers)}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    with torch.no_grad():
+        plan = blk.plan([1], tokens)
+        step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)
+        m.abort(plan)
+        for r in range(repeats + 2):
+            for name, groups in ways.items():
+                m.evict([1])
+                plan = blk.plan([1], tokens)
+                assert plan.onboard_tokens == [cached // page * page], plan.onboard_tokens
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                if groups is None:
+                    wait = m.onboard_launch(plan).wait_layer
+                else:
+                    events = onboard(m, plan, groups)
+
+                    def wait(i: int, events=events) -> None:
+                        torch.cuda.current_stream().wait_event(events[i])
+                step.load(plan)
+                step.run(wait=wait)
+                b.record()
+                b.synchronize()
+                if r == 0:  # every layer's onboarded pages hold the host's
+                    src, dst = _pages(m, plan)
+                    assert torch.equal(m.kv_table[:, dst].cpu(), m.backend.host_table[:, src]), name
+                if r >= 2:
+                    times[name].append(a.elapsed_time(b))
+                m.abort(plan)
+                m.offload_flush()
+    meds = {w: statistics.median(t) for w, t in times.items()}
+    print(f"tokens {tokens} (cached {cached}), floor {floor:.4f} ms: " + ", ".join(
+        f"{w} {v:.4f} ({v / floor:.3f}x)" for w, v in meds.items()))
+    m.close()
+
+
+if __name__ == "__main__":
+    opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    for t in [int(a) for a in sys.argv[1:] if "=" not in a] or [2048, 4096]:
+        one(t, int(opts.get("repeats", 20)))
