@@ -167,4 +167,3 @@ def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
     with pytest.raises(ValueError, match="got 0"):
         engine.onboard_lookahead = 0
     assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was
-
