@@ -393,18 +393,31 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
     return statistics.median(times[2:]), statistics.median(launch[2:])
 
 
+def host_hit_block(tokens: int, head_dim: int = 128, page: int = 128, new: int = 128,
+                   device: str = "cuda") -> Block:
+    """The tiers rows' bs-1 block: user 1's first ``tokens - new`` events cached, their full pages
+    written through to the host tier; device pages and host slots for two such histories."""
+    npg = -(-tokens // page)
+    blk = Block(head_dim, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8, device=device)
+    blk.fill([1], tokens - new)
+    blk.cache.offload_flush()
+    return blk
+
+
+def transfer_floor_ms(blk: Block, cached: int, repeats: int) -> float:
+    """The tiers rows' floor: one pinned host->device copy of ``cached`` tokens' full pages' bytes."""
+    cfg = blk.cache.config
+    host = torch.empty((cached // cfg.page_size) * cfg.page_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    return _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+
+
 def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int, repeats: int,
                lookaheads=()) -> dict[str, Any]:
     cached = tokens - new
-    npg = -(-tokens // page)
-    blk = Block(head_dim, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    blk = host_hit_block(tokens, head_dim, page, new)
     m = blk.cache
-    blk.fill([1], cached)
-    m.offload_flush()
-    nbytes = (cached // page) * m.config.page_bytes
-    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
-    dev = torch.empty_like(host, device="cuda")
-    floor = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    floor = transfer_floor_ms(blk, cached, repeats)
     with torch.no_grad():
         plan = blk.plan([1], tokens)
         step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from gr_plugin.bench.block import Block, StaticStep, _time_ms
+from gr_plugin.bench.block import StaticStep, host_hit_block, transfer_floor_ms
 from gr_plugin.cache import cudart
 from gr_plugin.cache.transfer import joint_runs
 
@@ -79,15 +79,9 @@ def onboard(m, plan, groups: list[list[int]]) -> list[torch.cuda.Event]:
 
 def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: int = 128) -> None:
     cached = tokens - new
-    npg = -(-tokens // page)
-    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    blk = host_hit_block(tokens, 128, page, new)
     m = blk.cache
-    blk.fill([1], cached)
-    m.offload_flush()
-    nbytes = (cached // page) * m.config.page_bytes
-    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
-    dev = torch.empty_like(host, device="cuda")
-    floor = _time_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
+    floor = transfer_floor_ms(blk, cached, repeats)
     ways = {"engine": None, **groupings(m.config.num_layers)}
     times: dict[str, list[float]] = {w: [] for w in ways}
     with torch.no_grad():

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gr_plugin.bench.block import Block
+from gr_plugin.bench.block import host_hit_block
 from gr_plugin.cache import cudart, transfer
 from gr_plugin.cache.transfer import joint_runs
 
@@ -33,11 +33,8 @@ def _loop_us(fn, n: int = 2000) -> float:
 
 def main(tokens: int = 2048, repeats: int = 50) -> None:
     new, page = 128, 128
-    npg = -(-tokens // page)
-    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    blk = host_hit_block(tokens, 128, page, new)
     m = blk.cache
-    blk.fill([1], tokens - new)
-    m.offload_flush()
     rt = cudart.runtime()
     raw_memcpy = rt.memcpy_async
     first: list[float] = []

@@ -20,17 +20,14 @@ import time
 
 import torch
 
-from gr_plugin.bench.block import Block
+from gr_plugin.bench.block import Block, host_hit_block
 from gr_plugin.cache import cudart
 
 
 def main(tokens: int) -> None:
     page, new = 128, 128
-    npg = -(-tokens // page)
-    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    blk = host_hit_block(tokens, 128, page, new)
     m = blk.cache
-    blk.fill([1], tokens - new)
-    m.offload_flush()
     prof, times = cProfile.Profile(), []
     for i in range(60):
         m.evict([1])

@@ -19,18 +19,15 @@ from collections import defaultdict
 
 import torch
 
-from gr_plugin.bench.block import Block, StaticStep
+from gr_plugin.bench.block import StaticStep, host_hit_block
 
 
 def one(tokens: int, new: int = 128, candidates: int = 256, page: int = 128, ahead: int | None = None) -> None:
     cached = tokens - new
-    npg = -(-tokens // page)
-    blk = Block(128, page, num_pages=2 * npg + 8, host_pages=2 * npg + 8)
+    blk = host_hit_block(tokens, 128, page, new)
     m = blk.cache
     if ahead is not None:
         m.transfer.onboard_lookahead = ahead
-    blk.fill([1], cached)
-    m.offload_flush()
     with torch.no_grad():
         plan = blk.plan([1], tokens)
         step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)
