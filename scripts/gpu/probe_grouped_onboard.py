@@ -2,12 +2,13 @@
 docs/BENCHMARKS.md: the copy probe puts the last layer in ~9 µs sooner with layers 1-6 copied in
 pairs; whether the request gains depends on each group's layers computing within the next copy)
 
-python3 scripts/gpu/probe_grouped_onboard.py [tokens ...] [repeats=N]   (default 2048 4096, 20)
+python3 scripts/gpu/probe_grouped_onboard.py [tokens ...] [repeats=N]   (default 2048 4096, 100)
 
 The tiers bench's bs-1 block and static step (`gr_plugin.bench.block`: head_dim 128, page 128, 128
 new events, 256 candidates) with every cached page in the host tier. Each request is timed as the
 bench times its layerwise host hit (an event, the onboard, the metadata load, the layer segments
-each behind its layer's wait, an event), the onboard done these ways, interleaved, medians:
+each behind its layer's wait, an event), the onboard done these ways, interleaved (each way first
+in turn), medians and quartiles:
 - ``engine``: the transfer engine's (`KVCacheManager.onboard_launch`), as the bench;
 - ``layers``: this script's raw copies, one per layer and run, every layer queued at once, an
   event after each layer;
@@ -15,8 +16,9 @@ each behind its layer's wait, an event), the onboard done these ways, interleave
   group's layers' waits on the event after it;
 - ``front``: 0 1 | 2 3 | 4 5 | 6 | 7, the pairs first.
 ``layers`` against the groups isolates the grouping; ``engine`` against ``layers`` the launch path.
-The transfer floor (one pinned copy of the same bytes, as the bench) is printed next to them. The
-first request of each way checks that the onboarded device pages equal the host pages.
+The transfer floor (one pinned copy of the same bytes, as the bench) is printed next to them. Before
+the first request of each way the onboarded device pages are made NaN; after it they must equal the
+host pages, and no page outside the plan may have changed.
 """
 
 from __future__ import annotations
@@ -53,18 +55,18 @@ def _pages(m, plan) -> tuple[list[int], list[int]]:
     return src, dst
 
 
-def onboard(m, plan, groups: list[list[int]]) -> list[torch.cuda.Event]:
+def onboard(m, plan, groups: list[list[int]], layouts) -> list[torch.cuda.Event]:
     """Every group's copies queued on the engine's copy stream behind the caller's stream; each
-    layer's event."""
+    layer's event. ``layouts``: the host and device tables' `cudart.page_layout`."""
     rt = cudart.runtime()
     src, dst = _pages(m, plan)
-    (s_base, s_layer, page), (d_base, d_layer, _) = cudart.page_layout(m.backend.host_table), \
-        cudart.page_layout(m.kv_table)
+    runs = joint_runs(src, dst)
+    (s_base, s_layer, page), (d_base, d_layer, _) = layouts
     stream = m.transfer.h2d_stream
     m.transfer._fence(stream)  # (the engine's raw fence: `wait_stream` costs tens of µs)
     events: list = [None] * m.config.num_layers
     for g in groups:
-        for s0, d0, n in joint_runs(src, dst):
+        for s0, d0, n in runs:
             to, fro = d_base + g[0] * d_layer + d0 * page, s_base + g[0] * s_layer + s0 * page
             if len(g) == 1:
                 rt.memcpy_async(to, fro, n * page, cudart.H2D, stream)
@@ -83,23 +85,30 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
     m = blk.cache
     floor = transfer_floor_ms(blk, cached, repeats)
     ways = {"engine": None, **groupings(m.config.num_layers)}
+    layouts = cudart.page_layout(m.backend.host_table), cudart.page_layout(m.kv_table)
     times: dict[str, list[float]] = {w: [] for w in ways}
     with torch.no_grad():
         plan = blk.plan([1], tokens)
         step = StaticStep(blk, plan, 1, tokens - plan.cached_lengths[0], candidates)
         m.abort(plan)
         for r in range(repeats + 2):
-            for name, groups in ways.items():
+            names = list(ways)
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # each way first in turn
+                groups = ways[name]
                 m.evict([1])
                 plan = blk.plan([1], tokens)
                 assert plan.onboard_tokens == [cached // page * page], plan.onboard_tokens
+                if r == 0:  # the onboarded pages made NaN first, so the check below sees the copy
+                    src, dst = _pages(m, plan)
+                    m.kv_table[:, dst] = float("nan")
+                    before = m.kv_table.clone()
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 if groups is None:
                     wait = m.onboard_launch(plan).wait_layer
                 else:
-                    events = onboard(m, plan, groups)
+                    events = onboard(m, plan, groups, layouts)
 
                     def wait(i: int, events=events) -> None:
                         torch.cuda.current_stream().wait_event(events[i])
@@ -107,20 +116,24 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
                 step.run(wait=wait)
                 b.record()
                 b.synchronize()
-                if r == 0:  # every layer's onboarded pages hold the host's
-                    src, dst = _pages(m, plan)
+                if r == 0:  # the onboarded pages hold the host's, and no page outside the plan changed
                     assert torch.equal(m.kv_table[:, dst].cpu(), m.backend.host_table[:, src]), name
+                    a0, e0 = plan.metadata.field_offsets["kv_indices"]
+                    mine = set(plan.host_metadata[a0:e0].tolist())
+                    others = [p for p in range(m.kv_table.shape[1]) if p not in mine]
+                    assert torch.equal(m.kv_table[:, others], before[:, others]), name
                 if r >= 2:
                     times[name].append(a.elapsed_time(b))
                 m.abort(plan)
                 m.offload_flush()
-    meds = {w: statistics.median(t) for w, t in times.items()}
-    print(f"tokens {tokens} (cached {cached}), floor {floor:.4f} ms: " + ", ".join(
-        f"{w} {v:.4f} ({v / floor:.3f}x)" for w, v in meds.items()))
+    print(f"tokens {tokens} (cached {cached}), floor {floor:.4f} ms; median (quartiles) ms, median / floor:")
+    for w, t in times.items():
+        q = statistics.quantiles(t, n=4)
+        print(f"  {w:>6}: {q[1]:.4f} ({q[0]:.4f}-{q[2]:.4f}), {q[1] / floor:.3f}x")
     m.close()
 
 
 if __name__ == "__main__":
     opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
     for t in [int(a) for a in sys.argv[1:] if "=" not in a] or [2048, 4096]:
-        one(t, int(opts.get("repeats", 20)))
+        one(t, int(opts.get("repeats", 100)))
