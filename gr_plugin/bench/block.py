@@ -347,7 +347,8 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
 
 
 def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str,
-                raw_copies: bool = True, lookahead: int | None = None) -> tuple[float, float]:
+                raw_copies: bool = True, lookahead: int | None = None,
+                group_layers: bool = True) -> tuple[float, float]:
     """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the
     stack's replay (`StaticStep.run`), event; and the median host µs of the onboard launch.
     ``mode``: ``gpu`` (the pages are on the device) and ``host`` (onboarded from the host tier,
@@ -355,15 +356,17 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
     replays the layer segments, layer ``l``'s append waiting only for its own pages.
     ``raw_copies`` False: the transfer engine launches its copies through ``Tensor.copy_`` instead
     of raw ``cudaMemcpyAsync``; ``lookahead``: the layers a raw onboard keeps queued past the last
-    one waited for (None: the transfer engine's default). The lookup and allocate before the first
-    event are not timed."""
+    one waited for (None: the transfer engine's default); ``group_layers`` False: a raw onboard
+    copies each layer alone instead of layers 1 .. L-2 in pairs (`layer_spans`). The lookup and
+    allocate before the first event are not timed."""
     m = blk.cache
     page = m.config.page_size
     times, launch = [], []
-    prior = m.transfer.raw_copies, m.transfer.onboard_lookahead
+    prior = m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers
     try:
         m.transfer.raw_copies = raw_copies
         m.transfer.onboard_lookahead = prior[1] if lookahead is None else lookahead
+        m.transfer.group_layers = group_layers
         for _ in range(repeats + 2):
             if mode != "gpu":
                 m.evict([1])
@@ -389,7 +392,7 @@ def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats:
             m.abort(plan)
             m.offload_flush()
     finally:
-        m.transfer.raw_copies, m.transfer.onboard_lookahead = prior
+        m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers = prior
     return statistics.median(times[2:]), statistics.median(launch[2:])
 
 
@@ -424,10 +427,12 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
         replays = _time_ms(step.run, repeats)
         m.abort(plan)
         row = {"tokens": tokens, "cached": cached, "gpu_hit_replays_ms": replays}
-        for key, mode, raw in (("gpu_hit", "gpu", True), ("host_hit", "host", True),
-                               ("host_hit_layerwise", "layerwise", True),
-                               ("host_hit_layerwise_tensor_copy", "layerwise", False)):
-            row[f"{key}_ms"], launch_us = _request_ms(blk, step, tokens, cached, repeats, mode, raw)
+        for key, mode, raw, grouped in (("gpu_hit", "gpu", True, True), ("host_hit", "host", True, True),
+                                        ("host_hit_layerwise", "layerwise", True, True),
+                                        ("host_hit_layerwise_per_layer", "layerwise", True, False),
+                                        ("host_hit_layerwise_tensor_copy", "layerwise", False, True)):
+            row[f"{key}_ms"], launch_us = _request_ms(blk, step, tokens, cached, repeats, mode, raw,
+                                                      group_layers=grouped)
             if mode == "layerwise":
                 row[f"{key}_launch_us"] = launch_us
         for ahead in lookaheads:
@@ -440,10 +445,13 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
 
 
 def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int = 128, new: int = 128,
-          candidates: int = 256, repeats: int = 10, lookaheads=(2, 8)) -> list[dict[str, Any]]:
+          candidates: int = 256, repeats: int = 50, lookaheads=(2, 8)) -> list[dict[str, Any]]:
     """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor. Each request is
-    timed alone from an idle GPU, the same way in all three (`_request_ms`); ``gpu_hit_replays_ms``
-    is the whole-stack graph's replay alone, back to back. ``lookaheads``: the layerwise request
+    timed alone from an idle GPU, the same way in all three (`_request_ms`), medians of ``repeats``
+    (the host's launch time varies from request to request, and at 2K tokens it is a tenth of the
+    request); ``gpu_hit_replays_ms`` is the whole-stack graph's replay alone, back to back.
+    ``host_hit_layerwise_per_layer_ms``: the layerwise request with every layer copied alone (the
+    engine's default pairs layers 1 .. L-2). ``lookaheads``: the layerwise request
     again with the onboard keeping each of these many layers' copies queued ahead
     (``host_hit_layerwise_ahead<n>_ms`` and ``_launch_us``; the table shows 2 and 8; the engine's
     default, 1, is ``host_hit_layerwise_ms``)."""
@@ -470,6 +478,7 @@ COLUMNS = ["part", "head_dim", "page", "batch", "history", "cached", "full_ms", 
            "cached_graph_ms", "speedup", "cached_tflops", "full_tflops", "matmul_peak_tflops", "tokens",
            "onboard_gbs", "raw_h2d_gbs", "onboard_vs_raw", "offload_gbs", "raw_d2h_gbs", "offload_vs_raw",
            "gpu_hit_replays_ms", "gpu_hit_ms", "host_hit_ms", "host_hit_layerwise_ms", "host_hit_layerwise_launch_us",
+           "host_hit_layerwise_per_layer_ms",
            "host_hit_layerwise_tensor_copy_ms", "host_hit_layerwise_tensor_copy_launch_us",
            "host_hit_layerwise_ahead2_ms", "host_hit_layerwise_ahead8_ms", "host_hit_layerwise_ahead8_launch_us",
            "transfer_floor_ms", "layerwise_vs_bound"]

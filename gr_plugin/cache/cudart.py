@@ -1,7 +1,7 @@
 """``cudaMemcpyAsync`` of the CUDA runtime torch already loaded, called through ctypes.
 
 Owns finding that runtime and launching raw copies of contiguous byte ranges (and 2-D copies of
-equally spaced ranges, which the copy probes use) on a stream. A copy
+equally spaced ranges: one run of pages of several layers) on a stream. A copy
 launched this way costs about a microsecond of host time, against ~10 µs for ``Tensor.copy_``
 through the dispatcher; the transfer engine launches one per layer and run of pages, on the request
 path, so that host time delays the first layer of a layerwise onboard (docs/BENCHMARKS.md, tiers).
@@ -32,6 +32,8 @@ class Runtime:
         self._create = _fn(lib.cudaEventCreateWithFlags, ctypes.POINTER(vp), ctypes.c_uint)
         self._record = _fn(lib.cudaEventRecord, vp, vp)
         self._wait = _fn(lib.cudaStreamWaitEvent, vp, vp, ctypes.c_uint)
+        self._attribute = _fn(lib.cudaDeviceGetAttribute, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)
+        self._pitches: dict[int, int] = {}
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: torch.cuda.Stream) -> None:
         err = self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
@@ -46,6 +48,14 @@ class Runtime:
         if err != 0:
             _check(err, f"cudaMemcpy2DAsync({rows} rows of {width} bytes, pitches {src_pitch} / {dst_pitch}, "
                         f"kind {kind})")
+
+    def max_pitch(self, device: int) -> int:
+        """The largest pitch in bytes a 2-D copy on ``device`` takes (``cudaDevAttrMaxPitch``)."""
+        if device not in self._pitches:
+            value = ctypes.c_int()
+            _check(self._attribute(ctypes.byref(value), 12, device), "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
+            self._pitches[device] = value.value
+        return self._pitches[device]
 
     def create_event(self) -> int:
         """A CUDA event without timing (never destroyed: one per transfer engine)."""
@@ -107,9 +117,12 @@ def page_layout(table: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def raw_copier(src: torch.Tensor, dst: torch.Tensor):
-    """``copy(layer, src_page, dst_page, count, stream)``: a raw copy of a run of pages of one layer
-    from ``src`` to ``dst`` (one pinned host table, one CUDA table, the same page layout and dtype),
-    or None where a raw copy cannot do it (then use ``Tensor.copy_``)."""
+    """``copy(layer, src_page, dst_page, count, stream, layers=1)``: a raw copy of a run of pages of
+    layers ``layer .. layer + layers - 1`` from ``src`` to ``dst`` (one pinned host table, one CUDA
+    table, the same page layout and dtype), or None where a raw copy cannot do it (then use
+    ``Tensor.copy_``). Several layers go as one 2-D copy (the run's bytes, a layer apart on each
+    side) where both tables' layer strides are within the device's pitch limit, else as one copy
+    per layer."""
     rt = runtime()
     host = src if dst.is_cuda else dst
     if rt is None or src.dtype != dst.dtype or src.shape[2:] != dst.shape[2:] or not host.is_pinned() or \
@@ -120,8 +133,18 @@ def raw_copier(src: torch.Tensor, dst: torch.Tensor):
         return None
     (s_base, s_layer, page), (d_base, d_layer, _) = a, b
     kind = H2D if dst.is_cuda else D2H
+    device = (dst if dst.is_cuda else src).device
+    pitched = max(s_layer, d_layer) <= rt.max_pitch(device.index if device.index is not None else
+                                                    torch.cuda.current_device())
 
-    def copy(layer: int, src_page: int, dst_page: int, count: int, stream: torch.cuda.Stream) -> None:
-        rt.memcpy_async(d_base + layer * d_layer + dst_page * page, s_base + layer * s_layer + src_page * page,
-                        count * page, kind, stream)
+    def copy(layer: int, src_page: int, dst_page: int, count: int, stream: torch.cuda.Stream,
+             layers: int = 1) -> None:
+        to, fro = d_base + layer * d_layer + dst_page * page, s_base + layer * s_layer + src_page * page
+        if layers == 1:
+            rt.memcpy_async(to, fro, count * page, kind, stream)
+        elif pitched:
+            rt.memcpy2d_async(to, d_layer, fro, s_layer, count * page, layers, kind, stream)
+        else:
+            for i in range(layers):
+                rt.memcpy_async(to + i * d_layer, fro + i * s_layer, count * page, kind, stream)
     return copy

@@ -1,9 +1,10 @@
-"""The transfer engine's runs of pages (`contiguous_runs`, `joint_runs`): each run is one copy."""
+"""The transfer engine's runs of pages (`contiguous_runs`, `joint_runs`): each run is one copy; and
+its groups of layers (`layer_spans`): each group one copy per run."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gr_plugin.cache.transfer import contiguous_runs, joint_runs
+from gr_plugin.cache.transfer import contiguous_runs, joint_runs, layer_spans
 
 _slots = st.lists(st.integers(0, 40), max_size=30)
 
@@ -42,3 +43,15 @@ def test_consecutive_pages_are_one_run_and_a_gap_makes_two():
     assert joint_runs([3, 4, 5, 6], [7, 8, 10, 11]) == [(3, 7, 2), (5, 10, 2)]
     assert contiguous_runs([5, 6, 7]) == [(0, 5, 3)] and contiguous_runs([]) == []
     assert joint_runs([], []) == []
+
+
+def test_layer_spans_copy_each_layer_once_first_and_last_alone_the_rest_in_pairs():
+    assert layer_spans(8) == (1, 2, 0, 2, 0, 2, 0, 1)  # 0 | 1 2 | 3 4 | 5 6 | 7
+    assert layer_spans(5) == (1, 2, 0, 1, 1)
+    assert layer_spans(8, grouped=False) == (1,) * 8
+    for n in range(1, 20):
+        spans = layer_spans(n)
+        firsts = [layer for layer, span in enumerate(spans) if span]
+        covered = [layer + k for layer in firsts for k in range(spans[layer])]
+        assert covered == list(range(n)), n  # every layer in exactly one copy, in order
+        assert spans[0] == 1 and spans[-1] == 1 and set(spans) <= {0, 1, 2}, spans

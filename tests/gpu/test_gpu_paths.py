@@ -95,21 +95,23 @@ def test_raw_page_copies_equal_tensor_copies_and_are_used():
     assert cudart.raw_copier(host, cuda_table.transpose(2, 3)) is None
 
 
-def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_raw_onboard_launches_each_layer_when_it_is_waited_for(grouped):
     """A raw onboard copies layers 0 and 1 at launch and layer ``i + 1`` at the first wait for layer
-    ``i`` (or a later one), all of them on ``wait``; a plan committed after waiting for some layers
-    only still gets every layer before its entry is published."""
+    ``i`` (or a later one), all of them on ``wait``; grouped, layers 1 and 2 are one copy, so both
+    go at launch; a plan committed after waiting for some layers only still gets every layer before
+    its entry is published."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(1)
     host = torch.randn(4, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
     src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
-    engine = CudaTransferEngine(torch.device("cuda"))
+    engine = CudaTransferEngine(torch.device("cuda"), group_layers=grouped)
     dev = torch.zeros(4, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     handle = engine.copy(host, src, dev, dst)
     copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(4)]  # noqa: E731
     torch.cuda.synchronize()
-    assert copied() == [True, True, False, False]
+    assert copied() == [True, True, grouped, False]
     handle.wait_layer(1)
     torch.cuda.synchronize()
     assert copied() == [True, True, True, False]
@@ -147,6 +149,61 @@ def test_raw_onboard_launches_each_layer_when_it_is_waited_for():
         assert torch.equal(got_k, _kv(5, 64, layer, 2, 64)[0]), layer
     m.offload_flush()
     m.check()
+
+
+def test_a_raw_copy_of_several_layers_equals_a_copy_per_layer(monkeypatch):
+    """The raw copier's ``layers``: one 2-D copy of a run of pages of consecutive layers (within the
+    device's pitch limit), else one copy per layer; both ways, the same bytes, nothing else
+    written."""
+    from gr_plugin.cache import cudart
+
+    rt = cudart.runtime()
+    assert rt is not None and rt.max_pitch(torch.cuda.current_device()) >= 1 << 20
+    g = torch.Generator().manual_seed(5)
+    host = torch.randn(5, 20, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    want = torch.zeros(5, 30, 2, 16, 2, 64, dtype=torch.bfloat16)
+    want[1:4, 7:11], want[0, 0:2] = host[1:4, 3:7], host[0, 10:12]
+    want_back = torch.zeros_like(host)
+    want_back[2:5, 0:4] = want[2:5, 7:11]
+    stream = torch.cuda.Stream()
+    for limit in (None, 0):  # the device's limit: 2-D copies; a limit below the strides: a copy per layer
+        if limit is not None:
+            monkeypatch.setattr(cudart.Runtime, "max_pitch", lambda self, device, limit=limit: limit)
+        dev = torch.zeros(want.shape, dtype=torch.bfloat16, device="cuda")
+        back = torch.zeros_like(host).pin_memory()
+        torch.cuda.synchronize()
+        cudart.raw_copier(host, dev)(1, 3, 7, 4, stream, layers=3)  # layers 1-3, host pages 3-6 -> 7-10
+        cudart.raw_copier(host, dev)(0, 10, 0, 2, stream)
+        cudart.raw_copier(dev, back)(2, 7, 0, 4, stream, 3)  # layers 2-4, device pages 7-10 -> host 0-3
+        stream.synchronize()
+        assert torch.equal(dev.cpu(), want), limit
+        assert torch.equal(back, want_back), limit
+
+
+def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one():
+    """Eight layers, two runs of pages: the engine's grouped raw onboard (0 | 1 2 | 3 4 | 5 6 | 7),
+    its per-layer one and ``Tensor.copy_`` copies leave identical device tables, and each layer's
+    wait covers its own pages."""
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    g = torch.Generator().manual_seed(6)
+    host = torch.randn(8, 24, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    src, dst = torch.tensor([*range(2, 9), 15, 16]), torch.tensor([*range(10, 17), 3, 4])
+    tables = []
+    for kw in ({"group_layers": True}, {"group_layers": False}, {"raw_copies": False}):
+        engine = CudaTransferEngine(torch.device("cuda"), **kw)
+        dev = torch.full((8, 20, 2, 16, 2, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        handle = engine.copy(host, src, dev, dst)
+        seen = []
+        for layer in range(8):  # each layer read on the caller's stream right after its wait
+            handle.wait_layer(layer)
+            seen.append(dev[layer, dst].clone())
+        handle.wait()
+        assert torch.equal(torch.stack(seen).cpu(), host[:, src]), kw
+        tables.append(dev.cpu())
+    assert torch.equal(tables[0][:, dst], host[:, src])
+    assert tables[0][:, [0, 1, 2, 5, 6, 7, 8, 9, 17, 18, 19]].isnan().all()
+    assert all(torch.equal(t.nan_to_num(7), tables[0].nan_to_num(7)) for t in tables[1:])
 
 
 def test_raw_onboard_with_a_deeper_look_ahead_queues_that_many_layers():
@@ -234,11 +291,11 @@ def test_a_raw_onboard_failing_partway_through_layer_0_waits_for_its_queued_runs
     assert real is not None, "no raw copies on this machine"
     calls = []
 
-    def failing(layer, s0, d0, count, stream):
+    def failing(layer, s0, d0, count, stream, layers=1):
         calls.append((layer, s0, count))
         if len(calls) == 2:
             raise RuntimeError("injected raw copy failure")
-        real(layer, s0, d0, count, stream)
+        real(layer, s0, d0, count, stream, layers)
 
     monkeypatch.setattr(engine, "_raw_copier", lambda a, b: failing)
     torch.cuda.synchronize()
