@@ -53,7 +53,7 @@ class Runtime:
         """The largest pitch in bytes a 2-D copy on ``device`` takes (``cudaDevAttrMaxPitch``)."""
         if device not in self._pitches:
             value = ctypes.c_int()
-            _check(self._attribute(ctypes.byref(value), 12, device), "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
+            _check(self._attribute(ctypes.byref(value), 11, device), "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
             self._pitches[device] = value.value
         return self._pitches[device]
 
