@@ -346,54 +346,52 @@ def transfer(tokens_list=(4096, 16384), head_dim: int = 128, page: int = 128,
     return rows
 
 
-def _request_ms(blk: Block, step: StaticStep, tokens: int, cached: int, repeats: int, mode: str,
-                raw_copies: bool = True, lookahead: int | None = None,
-                group_layers: bool = True) -> tuple[float, float]:
-    """Median ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the
-    stack's replay (`StaticStep.run`), event; and the median host µs of the onboard launch.
-    ``mode``: ``gpu`` (the pages are on the device) and ``host`` (onboarded from the host tier,
-    every layer's pages before the first layer) replay the whole-stack graph; ``layerwise``
-    replays the layer segments, layer ``l``'s append waiting only for its own pages.
-    ``raw_copies`` False: the transfer engine launches its copies through ``Tensor.copy_`` instead
-    of raw ``cudaMemcpyAsync``; ``lookahead``: the layers a raw onboard keeps queued past the last
-    one waited for (None: the transfer engine's default); ``group_layers`` False: a raw onboard
-    copies each layer alone instead of layers 1 .. L-2 in pairs (`layer_spans`). The lookup and
-    allocate before the first event are not timed."""
+def _request(blk: Block, step: StaticStep, tokens: int, cached: int, mode: str, raw_copies: bool = True,
+             lookahead: int | None = None, group_layers: bool = True) -> tuple[float, float]:
+    """ms of one bs-1 request from an idle GPU: event, [onboard launch], metadata load, the stack's
+    replay (`StaticStep.run`), event; and the host µs of the onboard launch. ``mode``: ``gpu`` (the
+    pages are on the device) and ``host`` (onboarded from the host tier, every layer's pages before
+    the first layer) replay the whole-stack graph; ``layerwise`` replays the layer segments, layer
+    ``l``'s append waiting only for its own pages. ``raw_copies`` False: the transfer engine
+    launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``;
+    ``lookahead``: the layers a raw onboard keeps queued past the last one waited for (None: the
+    transfer engine's default); ``group_layers`` False: a raw onboard copies each layer alone
+    instead of layers 1 .. L-2 in pairs (`layer_spans`). The evict, lookup and allocate before the
+    first event are not timed, nor is setting the engine's knobs. A GPU hit is user 2's history
+    (cached on the device, never evicted), a host hit user 1's (evicted before each request), both
+    ``cached`` tokens long (`_tiers_one`)."""
     m = blk.cache
     page = m.config.page_size
-    times, launch = [], []
     prior = m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers
     try:
         m.transfer.raw_copies = raw_copies
         m.transfer.onboard_lookahead = prior[1] if lookahead is None else lookahead
         m.transfer.group_layers = group_layers
-        for _ in range(repeats + 2):
-            if mode != "gpu":
-                m.evict([1])
-            plan = blk.plan([1], tokens)
-            want = [0] if mode == "gpu" else [cached // page * page]
-            assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            t0 = time.perf_counter()
-            handle = m.onboard_launch(plan) if mode != "gpu" else None
-            launch.append((time.perf_counter() - t0) * 1e6)
-            step.load(plan)
-            if mode == "layerwise":
-                step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
-            else:
-                if handle is not None:
-                    handle.wait_layer(m.config.num_layers - 1)  # every layer's pages before the first layer
-                step.run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-            m.abort(plan)
-            m.offload_flush()
+        if mode != "gpu":
+            m.evict([1])
+        plan = blk.plan([2 if mode == "gpu" else 1], tokens)
+        want = [0] if mode == "gpu" else [cached // page * page]
+        assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        handle = m.onboard_launch(plan) if mode != "gpu" else None
+        launch = (time.perf_counter() - t0) * 1e6
+        step.load(plan)
+        if mode == "layerwise":
+            step.run(wait=handle.wait_layer)  # layer i waits only for its own pages
+        else:
+            if handle is not None:
+                handle.wait_layer(m.config.num_layers - 1)  # every layer's pages before the first layer
+            step.run()
+        b.record()
+        b.synchronize()
+        m.abort(plan)
+        m.offload_flush()
     finally:
         m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers = prior
-    return statistics.median(times[2:]), statistics.median(launch[2:])
+    return a.elapsed_time(b), launch
 
 
 def host_hit_block(tokens: int, head_dim: int = 128, page: int = 128, new: int = 128,
@@ -420,6 +418,7 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
     cached = tokens - new
     blk = host_hit_block(tokens, head_dim, page, new)
     m = blk.cache
+    blk.fill([2], cached)  # the GPU hits' user (`_request`): the host hits' user 1 is evicted before each
     floor = transfer_floor_ms(blk, cached, repeats)
     with torch.no_grad():
         plan = blk.plan([1], tokens)
@@ -427,17 +426,23 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
         replays = _time_ms(step.run, repeats)
         m.abort(plan)
         row = {"tokens": tokens, "cached": cached, "gpu_hit_replays_ms": replays}
-        for key, mode, raw, grouped in (("gpu_hit", "gpu", True, True), ("host_hit", "host", True, True),
-                                        ("host_hit_layerwise", "layerwise", True, True),
-                                        ("host_hit_layerwise_per_layer", "layerwise", True, False),
-                                        ("host_hit_layerwise_tensor_copy", "layerwise", False, True)):
-            row[f"{key}_ms"], launch_us = _request_ms(blk, step, tokens, cached, repeats, mode, raw,
-                                                      group_layers=grouped)
-            if mode == "layerwise":
-                row[f"{key}_launch_us"] = launch_us
-        for ahead in lookaheads:
-            row[f"host_hit_layerwise_ahead{ahead}_ms"], row[f"host_hit_layerwise_ahead{ahead}_launch_us"] = \
-                _request_ms(blk, step, tokens, cached, repeats, "layerwise", True, ahead)
+        ways = {"gpu_hit": {"mode": "gpu"}, "host_hit": {"mode": "host"}, "host_hit_layerwise": {"mode": "layerwise"},
+                "host_hit_layerwise_per_layer": {"mode": "layerwise", "group_layers": False},
+                "host_hit_layerwise_tensor_copy": {"mode": "layerwise", "raw_copies": False},
+                **{f"host_hit_layerwise_ahead{n}": {"mode": "layerwise", "lookahead": n} for n in lookaheads}}
+        names = list(ways)
+        times: dict[str, list[float]] = {w: [] for w in names}
+        launches: dict[str, list[float]] = {w: [] for w in names}
+        for r in range(repeats + 2):  # one request of each way a round, each way first in turn
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                ms, us = _request(blk, step, tokens, cached, **ways[name])
+                if r >= 2:
+                    times[name].append(ms)
+                    launches[name].append(us)
+        for name in names:
+            row[f"{name}_ms"] = statistics.median(times[name])
+            if ways[name]["mode"] == "layerwise":
+                row[f"{name}_launch_us"] = statistics.median(launches[name])
         row["transfer_floor_ms"] = floor
     row["layerwise_vs_bound"] = row["host_hit_layerwise_ms"] / max(row["gpu_hit_ms"], floor)
     m.close()
@@ -447,9 +452,11 @@ def _tiers_one(tokens: int, head_dim: int, page: int, new: int, candidates: int,
 def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int = 128, new: int = 128,
           candidates: int = 256, repeats: int = 50, lookaheads=(2, 8)) -> list[dict[str, Any]]:
     """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor. Each request is
-    timed alone from an idle GPU, the same way in all three (`_request_ms`), medians of ``repeats``
-    (the host's launch time varies from request to request, and at 2K tokens it is a tenth of the
-    request); ``gpu_hit_replays_ms`` is the whole-stack graph's replay alone, back to back.
+    timed alone from an idle GPU, the same way in every column (`_request`); the columns' requests
+    are interleaved (a round runs one of each, each first in turn), medians of ``repeats`` rounds
+    (the host's launch time varies from request to request and drifts over a run, and at 2K tokens
+    it is a tenth of the request); ``gpu_hit_replays_ms`` is the whole-stack graph's replay alone,
+    back to back.
     ``host_hit_layerwise_per_layer_ms``: the layerwise request with every layer copied alone (the
     engine's default pairs layers 1 .. L-2). ``lookaheads``: the layerwise request
     again with the onboard keeping each of these many layers' copies queued ahead
