@@ -220,10 +220,11 @@ class _LazyCudaHandle(_CudaHandle):
     had queued at the launch, while the caller's stream runs layer 0. Launching ahead keeps copies
     queued behind the one running, so the copy engine does not idle while the caller's host is
     still busy before its next wait (the tiers profile at 1ee68ad showed a 79 µs gap before layer
-    1's copy with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``: at 2K
-    tokens one layer's copy (~75 µs) is about the host's time from one wait to the next, and under
-    the profiler's slower host one layer ahead left the copy engine idle; unprofiled, 1, 2 and 8
-    layers ahead measured the same (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
+    1's copy with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``, by
+    default every layer: at 2K tokens one layer's copy (~75 µs) is about the host's time from one
+    wait to the next, and on a slow host fewer layers ahead left the copy engine idle (the tiers
+    bench's interleaved requests: 0.747 ms one layer ahead, 0.702 all; equal from 4K tokens on;
+    docs/BENCHMARKS.md, tiers). A manager reaping finished copies
     for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
     lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
     without waiting for this bookkeeping) passes that layer's event as ``first``.
@@ -360,7 +361,7 @@ class CudaTransferEngine(TransferEngine):
     """
 
     def __init__(self, device: torch.device, max_runs: int = 64, raw_copies: bool = True,
-                 onboard_lookahead: int = 1, group_layers: bool = True) -> None:
+                 onboard_lookahead: int | None = None, group_layers: bool = True) -> None:
         self.onboard_lookahead = onboard_lookahead  # (checked before any stream is made)
         self.device = device
         self.max_runs = max_runs
@@ -374,14 +375,15 @@ class CudaTransferEngine(TransferEngine):
         self._fence_lock = threading.Lock()
 
     @property
-    def onboard_lookahead(self) -> int:
-        """Layers a raw onboard keeps queued past the last one waited for (`_LazyCudaHandle`)."""
+    def onboard_lookahead(self) -> int | None:
+        """Layers a raw onboard keeps queued past the last one waited for (`_LazyCudaHandle`); None:
+        every layer's copies queued at launch, layer 0's first."""
         return self._lookahead
 
     @onboard_lookahead.setter
-    def onboard_lookahead(self, layers: int) -> None:
-        if type(layers) is not int or layers < 1:
-            raise ValueError(f"onboard_lookahead must be an int of at least 1 layer, got {layers!r}")
+    def onboard_lookahead(self, layers: int | None) -> None:
+        if layers is not None and (type(layers) is not int or layers < 1):
+            raise ValueError(f"onboard_lookahead must be None or an int of at least 1 layer, got {layers!r}")
         self._lookahead = layers
 
     def _raw_copier(self, src: torch.Tensor, dst: torch.Tensor) -> Callable | None:
@@ -455,7 +457,7 @@ class CudaTransferEngine(TransferEngine):
             # copies, and until they are queued the copy engine idles (a failure here is `copy`'s,
             # which waits for whatever of layer 0 was queued before raising)
             first = issue(0)
-            return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead, first=first)
+            return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead or num_layers, first=first)
         caller = torch.cuda.current_stream(self.device)
         if len(both) <= self.max_runs:
             # per-layer views of each run from one slice + unbind

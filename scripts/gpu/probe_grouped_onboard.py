@@ -9,17 +9,18 @@ new events, 256 candidates) with every cached page in the host tier. Each reques
 bench times its layerwise host hit (an event, the onboard, the metadata load, the layer segments
 each behind its layer's wait, an event), the onboard done these ways, interleaved (each way first
 in turn), medians and quartiles:
-- ``engine``: the transfer engine's (`KVCacheManager.onboard_launch`), as the bench (since the
-  engine took `layer_spans`, its copies are grouped as ``pairs``);
+- ``engine``: the transfer engine's (`KVCacheManager.onboard_launch`), as the bench (its copies
+  grouped as ``pairs``, every layer's queued at launch);
 - ``engine_per_layer``: the engine with ``group_layers`` off (one copy per layer and run);
-- ``engine_all``: the engine with every layer's copies queued at launch (look-ahead = layers);
+- ``engine_lazy``: the engine one layer ahead (``onboard_lookahead=1``: layer ``i + 1``'s copy
+  queued at the first wait for layer ``i``);
 - ``layers``: this script's raw copies, one per layer and run, every layer queued at once, an
   event after each layer;
 - ``pairs``: layers 0 | 1 2 | 3 4 | 5 6 | 7 (for 8 layers), each group one 2-D copy per run, the
   group's layers' waits on the event after it;
 - ``front``: 0 1 | 2 3 | 4 5 | 6 | 7, the pairs first.
 ``layers`` against the groups isolates the grouping; ``engine_per_layer`` against ``layers`` the
-launch path, and ``engine_all`` against ``engine`` the lazy launch of layers 2 and on.
+launch path, and ``engine_lazy`` against ``engine`` the lazy launch of layers 2 and on.
 The transfer floor (one pinned copy of the same bytes, as the bench) is printed next to them. Before
 the first request of each way the onboarded device pages are made NaN; after it they must equal the
 host pages, and no page outside the plan may have changed.
@@ -90,7 +91,7 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
     floor = transfer_floor_ms(blk, cached, repeats)
     num_layers = m.config.num_layers
     engine_ways = {"engine": {}, "engine_per_layer": {"group_layers": False},
-                   "engine_all": {"onboard_lookahead": num_layers}}  # the engine's settings per way
+                   "engine_lazy": {"onboard_lookahead": 1}}  # the engine's settings per way
     ways = {**dict.fromkeys(engine_ways), **groupings(num_layers)}
     layouts = cudart.page_layout(m.backend.host_table), cudart.page_layout(m.kv_table)
     times: dict[str, list[float]] = {w: [] for w in ways}
@@ -110,7 +111,7 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
                     m.kv_table[:, dst] = float("nan")
                     before = m.kv_table.clone()
                 if groups is None:  # (set before the request's first event)
-                    for key, value in {"group_layers": True, "onboard_lookahead": 1, **engine_ways[name]}.items():
+                    for key, value in {"group_layers": True, "onboard_lookahead": None, **engine_ways[name]}.items():
                         setattr(m.transfer, key, value)
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -160,10 +160,13 @@ def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=f"onboard_lookahead must be an int of at least 1 layer, got {bad!r}"):
+        with pytest.raises(ValueError, match=f"onboard_lookahead must be None or an int of at least 1 layer, "
+                                             f"got {bad!r}"):
             CudaTransferEngine(torch.device("cuda"), onboard_lookahead=bad)
     engine = object.__new__(CudaTransferEngine)  # (no CUDA here: the setter alone)
     engine.onboard_lookahead = 3
     with pytest.raises(ValueError, match="got 0"):
         engine.onboard_lookahead = 0
     assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was
+    engine.onboard_lookahead = None  # every layer at launch (the default)
+    assert engine.onboard_lookahead is None

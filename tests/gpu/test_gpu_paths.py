@@ -97,8 +97,8 @@ def test_raw_page_copies_equal_tensor_copies_and_are_used():
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_raw_onboard_launches_each_layer_when_it_is_waited_for(grouped):
-    """A raw onboard copies layers 0 and 1 at launch and layer ``i + 1`` at the first wait for layer
-    ``i`` (or a later one), all of them on ``wait``; grouped, layers 1 and 2 are one copy, so both
+    """One layer ahead, a raw onboard copies layers 0 and 1 at launch and layer ``i + 1`` at the
+    first wait for layer ``i`` (or a later one), all of them on ``wait``; grouped, layers 1 and 2 are one copy, so both
     go at launch; a plan committed after waiting for some layers only still gets every layer before
     its entry is published."""
     from gr_plugin.cache.transfer import CudaTransferEngine
@@ -106,7 +106,7 @@ def test_raw_onboard_launches_each_layer_when_it_is_waited_for(grouped):
     g = torch.Generator().manual_seed(1)
     host = torch.randn(4, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
     src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
-    engine = CudaTransferEngine(torch.device("cuda"), group_layers=grouped)
+    engine = CudaTransferEngine(torch.device("cuda"), onboard_lookahead=1, group_layers=grouped)
     dev = torch.zeros(4, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     handle = engine.copy(host, src, dev, dst)
     copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(4)]  # noqa: E731
@@ -204,6 +204,22 @@ def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one():
     assert torch.equal(tables[0][:, dst], host[:, src])
     assert tables[0][:, [0, 1, 2, 5, 6, 7, 8, 9, 17, 18, 19]].isnan().all()
     assert all(torch.equal(t.nan_to_num(7), tables[0].nan_to_num(7)) for t in tables[1:])
+
+
+def test_a_raw_onboard_queues_every_layer_at_launch_by_default():
+    from gr_plugin.cache.transfer import CudaTransferEngine
+
+    g = torch.Generator().manual_seed(3)
+    host = torch.randn(5, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
+    src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
+    engine = CudaTransferEngine(torch.device("cuda"))
+    assert engine.onboard_lookahead is None
+    dev = torch.zeros(5, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    handle = engine.copy(host, src, dev, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(dev[:, dst].cpu(), host[:, src]) and dev[:, [0, 4, 8, 9]].abs().sum() == 0
+    handle.wait_layer(4)
+    assert handle.done()
 
 
 def test_raw_onboard_with_a_deeper_look_ahead_queues_that_many_layers():
