@@ -355,23 +355,16 @@ def _request(blk: Block, step: StaticStep, tokens: int, cached: int, mode: str, 
     ``l``'s append waiting only for its own pages. ``raw_copies`` False: the transfer engine
     launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``;
     ``lookahead``: the layers a raw onboard keeps queued past the last one waited for (None: the
-    transfer engine's default, every layer at launch); ``group_layers`` False: a raw onboard copies each layer alone
-    instead of layers 1 .. L-2 in pairs (`layer_spans`). The evict, lookup and allocate before the
-    first event are not timed, nor is setting the engine's knobs. A GPU hit is user 2's history
-    (cached on the device, never evicted), a host hit user 1's (evicted before each request), both
-    ``cached`` tokens long (`_tiers_one`)."""
+    engine's setting as it is, by default every layer at launch); ``group_layers`` False: a raw
+    onboard copies each layer alone instead of in pairs (`layer_spans`). The evict, lookup and allocate before the
+    first event are not timed (`tiers_plan`), nor is setting the engine's knobs."""
     m = blk.cache
-    page = m.config.page_size
     prior = m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers
     try:
         m.transfer.raw_copies = raw_copies
         m.transfer.onboard_lookahead = prior[1] if lookahead is None else lookahead
         m.transfer.group_layers = group_layers
-        if mode != "gpu":
-            m.evict([1])
-        plan = blk.plan([2 if mode == "gpu" else 1], tokens)
-        want = [0] if mode == "gpu" else [cached // page * page]
-        assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
+        plan = tiers_plan(blk, tokens, cached, mode)
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -392,6 +385,19 @@ def _request(blk: Block, step: StaticStep, tokens: int, cached: int, mode: str, 
     finally:
         m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers = prior
     return a.elapsed_time(b), launch
+
+
+def tiers_plan(blk: Block, tokens: int, cached: int, mode: str):
+    """The plan of one tiers request (`_request`'s ``mode``): a GPU hit is user 2's history, kept
+    on the device (`_tiers_one` fills it), a host hit user 1's, evicted first so that its full pages
+    come from the host tier; both ``cached`` tokens long."""
+    m, page = blk.cache, blk.cache.config.page_size
+    if mode != "gpu":
+        m.evict([1])
+    plan = blk.plan([2 if mode == "gpu" else 1], tokens)
+    want = [0] if mode == "gpu" else [cached // page * page]
+    assert plan.onboard_tokens == want, (mode, plan.onboard_tokens)
+    return plan
 
 
 def host_hit_block(tokens: int, head_dim: int = 128, page: int = 128, new: int = 128,
@@ -454,12 +460,12 @@ def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int 
     """GPU hit vs host hit vs host hit + layerwise, bs 1, next to the transfer floor. Each request is
     timed alone from an idle GPU, the same way in every column (`_request`); the columns' requests
     are interleaved (a round runs one of each, each first in turn), medians of ``repeats`` rounds
-    (the host's launch time varies from request to request and drifts over a run, and at 2K tokens
-    it is a tenth of the request); ``gpu_hit_replays_ms`` is the whole-stack graph's replay alone,
-    back to back.
-    ``host_hit_layerwise_per_layer_ms``: the layerwise request with every layer copied alone (the
-    engine's default pairs layers 1 .. L-2). ``lookaheads``: the layerwise request
-    again with the onboard keeping each of these many layers' copies queued ahead
+    (the host's launch time varies from request to request and from stretch to stretch of a run,
+    and at 2K tokens the launch's return comes 13-23% into the request); ``gpu_hit_replays_ms`` is
+    the whole-stack graph's replay alone, back to back. ``host_hit_layerwise_per_layer_ms``: the
+    layerwise request with every layer copied alone (the engine's default copies them in pairs,
+    `layer_spans`). ``lookaheads``: the layerwise request again with the onboard keeping each of
+    these many layers' copies queued ahead
     (``host_hit_layerwise_ahead<n>_ms`` and ``_launch_us``; the table shows 1 and 2; the engine's
     default, every layer at launch, is ``host_hit_layerwise_ms``)."""
     rows = []

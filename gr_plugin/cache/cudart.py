@@ -3,8 +3,9 @@
 Owns finding that runtime and launching raw copies of contiguous byte ranges (and 2-D copies of
 equally spaced ranges: one run of pages of several layers) on a stream. A copy
 launched this way costs about a microsecond of host time, against ~10 µs for ``Tensor.copy_``
-through the dispatcher; the transfer engine launches one per layer and run of pages, on the request
-path, so that host time delays the first layer of a layerwise onboard (docs/BENCHMARKS.md, tiers).
+through the dispatcher; the transfer engine launches one per run of pages and layer (an onboard's
+pairs of layers: one 2-D copy per run), on the request path, so that host time delays the first
+layer of a layerwise onboard (docs/BENCHMARKS.md, tiers).
 The caller keeps both tensors alive until the copy has run and orders it with events, as for any
 ``non_blocking`` copy; `runtime` answers None where the runtime cannot be found (no CUDA, a
 statically linked runtime), and callers then use ``Tensor.copy_``.
@@ -140,11 +141,9 @@ def raw_copier(src: torch.Tensor, dst: torch.Tensor):
     def copy(layer: int, src_page: int, dst_page: int, count: int, stream: torch.cuda.Stream,
              layers: int = 1) -> None:
         to, fro = d_base + layer * d_layer + dst_page * page, s_base + layer * s_layer + src_page * page
-        if layers == 1:
-            rt.memcpy_async(to, fro, count * page, kind, stream)
-        elif pitched:
+        if layers > 1 and pitched:
             rt.memcpy2d_async(to, d_layer, fro, s_layer, count * page, layers, kind, stream)
-        else:
-            for i in range(layers):
-                rt.memcpy_async(to + i * d_layer, fro + i * s_layer, count * page, kind, stream)
+            return
+        for i in range(layers):
+            rt.memcpy_async(to + i * d_layer, fro + i * s_layer, count * page, kind, stream)
     return copy

@@ -4,8 +4,9 @@ Owns the copy engines and their handles; decides nothing about which pages move.
 - `ThreadTransferEngine`: one worker thread runs copies in FIFO order (CPU tables, CI); each layer
   sets its own `threading.Event`.
 - `CudaTransferEngine`: copies run on dedicated side streams (one host→device, one device→host);
-  each layer records its own CUDA event. Host memory is pinned and staged through the caching host
-  allocator, so nothing on the request path synchronises with the device.
+  each layer's copy records a CUDA event (a raw onboard copies some layers in pairs, the pair's
+  layers sharing its event). Host memory is pinned and staged through the caching host allocator,
+  so nothing on the request path synchronises with the device.
 
 A `CopyHandle` is the per-layer wait handle the model calls: ``wait_layer(l)`` returns once layer
 ``l`` is usable by the caller (on CUDA it only makes the current stream wait, without blocking the
@@ -21,6 +22,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -207,24 +209,24 @@ def _drain(stream: torch.cuda.Stream) -> None:
 
 
 class _LazyCudaHandle(_CudaHandle):
-    """An onboard whose copies are launched layer by layer as they are needed, ``ahead`` layers
-    ahead: layers ``0..ahead`` at once, layers up to ``i + ahead`` by the first ``wait_layer(j >=
-    i)``, every layer by ``wait``, ``done`` or ``launch``. A failed launch first waits (host) for
+    """An onboard whose copies are launched layer by layer, ``ahead`` layers ahead: layers
+    ``0..ahead`` at once, layers up to ``i + ahead`` by the first ``wait_layer(j >= i)``, every
+    layer by ``wait``, ``done`` or ``launch`` (``issue(layer)`` may copy more than that layer:
+    `grouped_issue`). A failed launch first waits (host) for
     whatever this onboard had queued, a failed layer's first runs included (``mark`` records an
     event after them), so no copy of it is still writing when the error reaches a caller that frees
     its pages; from then on every call raises `TransferError` and nothing is launched again.
 
-    The first layer's copy is what the first layer waits for; launching every other layer's copy
-    (a raw copy and an event each) before returning would delay the caller's first kernels by
-    their host time. They go onto the copy stream behind layer 0's, fenced behind what the caller
-    had queued at the launch, while the caller's stream runs layer 0. Launching ahead keeps copies
-    queued behind the one running, so the copy engine does not idle while the caller's host is
-    still busy before its next wait (the tiers profile at 1ee68ad showed a 79 µs gap before layer
-    1's copy with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``, by
-    default every layer: at 2K tokens one layer's copy (~75 µs) is about the host's time from one
-    wait to the next, and on a slow host fewer layers ahead left the copy engine idle (the tiers
-    bench's interleaved requests: 0.747 ms one layer ahead, 0.702 all; equal from 4K tokens on;
-    docs/BENCHMARKS.md, tiers). A manager reaping finished copies
+    The first layer's copy is what the first layer waits for, so it goes first; the later layers'
+    copies go onto the copy stream behind it, fenced behind what the caller had queued at the
+    launch. Launching only some layers ahead spreads their host time over the step's waits
+    instead of spending it before the caller's first kernels; it keeps copies queued behind the
+    one running only while the host's time from one wait to the next stays under a layer's copy
+    (~75 µs at 2K tokens; the tiers profile at 1ee68ad showed a 79 µs gap before layer 1's copy
+    with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``, by default
+    every layer: in the tiers bench's interleaved requests on a slow host, one layer ahead took
+    0.747 ms at 2K tokens against 0.702 with every layer at launch, and from 4K tokens on the two
+    were within the table's resolution (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
     for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
     lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
     without waiting for this bookkeeping) passes that layer's event as ``first``.
@@ -333,11 +335,11 @@ def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 @functools.cache
 def layer_spans(num_layers: int, grouped: bool = True) -> tuple[int, ...]:
     """How many layers each layer's onboard copy covers, 0 for a layer copied with the one before
-    it. Grouped: layer 0 alone (the first layer waits only for it), layers 1 .. L-2 in pairs (one
-    2-D copy per run of pages), the last layer alone (the step's tail after the last copy is that
-    one layer's work). Each copy fewer saves the copy engine ~3.5 µs, and the pairs' first layers
-    wait at most one layer's copy longer, which the copies still ahead of the step hide
-    (docs/BENCHMARKS.md, tiers)."""
+    it. Grouped: layer 0 alone (the first layer waits only for it), layers from 1 on in pairs
+    (one 2-D copy per run of pages), the last layer alone (the step's tail after the last copy is
+    that one layer's work), and layer L-2 alone too when L is odd. Each copy fewer saves the copy
+    engine ~3.5 µs, and a pair's first layer waits at most one layer's copy longer, which the
+    copies still ahead of the step hide (docs/BENCHMARKS.md, tiers)."""
     spans = [1] * num_layers
     if grouped:
         for first in range(1, num_layers - 2, 2):
@@ -345,11 +347,26 @@ def layer_spans(num_layers: int, grouped: bool = True) -> tuple[int, ...]:
     return tuple(spans)
 
 
+def grouped_issue(spans: tuple[int, ...], copy: Callable[[int, int], Any]) -> Callable[[int], Any]:
+    """`_LazyCudaHandle`'s ``issue`` over `layer_spans`: a span's first layer runs ``copy(layer,
+    span)`` (its copies, then an event after them) and gets that event; a layer copied with the one
+    before it gets the same event, and nothing is copied again. The handle issues layers in order,
+    each once."""
+    queued: list = []
+
+    def issue(layer: int):
+        if spans[layer]:
+            queued.append(copy(layer, spans[layer]))
+        return queued[-1]
+    return issue
+
+
 _UNSET = object()
 
 
 class CudaTransferEngine(TransferEngine):
-    """Copies between a CUDA table and a pinned host table on dedicated streams, per-layer events.
+    """Copies between a CUDA table and a pinned host table on dedicated streams, an event per
+    layer's copy (a raw onboard's pair of layers: one).
 
     Host slots are read and written in runs of consecutive slots, each run of a layer one
     ``cudaMemcpyAsync`` (launched raw through ctypes where it can be: `gr_plugin.cache.cudart`; a
@@ -376,8 +393,9 @@ class CudaTransferEngine(TransferEngine):
 
     @property
     def onboard_lookahead(self) -> int | None:
-        """Layers a raw onboard keeps queued past the last one waited for (`_LazyCudaHandle`); None:
-        every layer's copies queued at launch, layer 0's first."""
+        """Layers a raw onboard keeps queued past the last one waited for (`_LazyCudaHandle`; up to
+        the end of the pair holding the last of them, `grouped_issue`); None: every layer's copies
+        queued at launch, layer 0's first."""
         return self._lookahead
 
     @onboard_lookahead.setter
@@ -439,15 +457,11 @@ class CudaTransferEngine(TransferEngine):
             # host time is what delays the first layer of a layerwise onboard, so no Python stream
             # context here.
             self._fence(stream)
-            spans, queued = layer_spans(num_layers, self.group_layers), []
 
-            def issue(layer: int) -> torch.cuda.Event:
-                if spans[layer] == 0:  # copied with the layer before it: that copy's event
-                    return queued[-1]
+            def copy(layer: int, layers: int) -> torch.cuda.Event:
                 for s0, d0, length in both:
-                    raw(layer, s0, d0, length, stream, spans[layer])
-                queued.append(mark())
-                return queued[-1]
+                    raw(layer, s0, d0, length, stream, layers)
+                return mark()
 
             def mark() -> torch.cuda.Event:
                 ev = torch.cuda.Event()
@@ -456,6 +470,7 @@ class CudaTransferEngine(TransferEngine):
             # NOTE: layer 0 first, then the handle's bookkeeping: the step's first wait is for these
             # copies, and until they are queued the copy engine idles (a failure here is `copy`'s,
             # which waits for whatever of layer 0 was queued before raising)
+            issue = grouped_issue(layer_spans(num_layers, self.group_layers), copy)
             first = issue(0)
             return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead or num_layers, first=first)
         caller = torch.cuda.current_stream(self.device)

@@ -1,6 +1,6 @@
-"""Would grouped 2-D onboard copies make a layerwise host hit faster? (the 2K tiers row of
-docs/BENCHMARKS.md: the copy probe puts the last layer in ~9 µs sooner with layers 1-6 copied in
-pairs; whether the request gains depends on each group's layers computing within the next copy)
+"""Does grouping the onboard's copies make a layerwise host hit faster, in the engine and in
+this script's bare copies? (the 2K tiers row of docs/BENCHMARKS.md; the engine groups its copies
+since 002a4d6, `gr_plugin.cache.transfer.layer_spans`)
 
 python3 scripts/gpu/probe_grouped_onboard.py [tokens ...] [repeats=N]   (default 2048 4096, 100)
 
@@ -12,15 +12,16 @@ in turn), medians and quartiles:
 - ``engine``: the transfer engine's (`KVCacheManager.onboard_launch`), as the bench (its copies
   grouped as ``pairs``, every layer's queued at launch);
 - ``engine_per_layer``: the engine with ``group_layers`` off (one copy per layer and run);
-- ``engine_lazy``: the engine one layer ahead (``onboard_lookahead=1``: layer ``i + 1``'s copy
-  queued at the first wait for layer ``i``);
-- ``layers``: this script's raw copies, one per layer and run, every layer queued at once, an
-  event after each layer;
-- ``pairs``: layers 0 | 1 2 | 3 4 | 5 6 | 7 (for 8 layers), each group one 2-D copy per run, the
-  group's layers' waits on the event after it;
+- ``engine_lazy``: the engine one layer ahead (``onboard_lookahead=1``: layer ``i + 1``'s copy,
+  and its pair's other layer, queued at the first wait for layer ``i``);
+- ``layers``: this script's raw copies (`cudart.raw_copier`), one per layer and run, every layer
+  queued at once, an event after each layer;
+- ``pairs``: the engine's groups, layers 0 | 1 2 | 3 4 | 5 6 | 7 (for 8 layers), each group one
+  2-D copy per run, the group's layers' waits on the event after it;
 - ``front``: 0 1 | 2 3 | 4 5 | 6 | 7, the pairs first.
-``layers`` against the groups isolates the grouping; ``engine_per_layer`` against ``layers`` the
-launch path, and ``engine_lazy`` against ``engine`` the lazy launch of layers 2 and on.
+``layers`` against the groups isolates the grouping; ``engine`` against ``pairs`` the engine's
+launch path, and ``engine_lazy`` against ``engine`` the lazy launch of the layers past the pair
+1 2.
 The transfer floor (one pinned copy of the same bytes, as the bench) is printed next to them. Before
 the first request of each way the onboarded device pages are made NaN; after it they must equal the
 host pages, and no page outside the plan may have changed.
@@ -35,15 +36,14 @@ import torch
 
 from gr_plugin.bench.block import StaticStep, host_hit_block, transfer_floor_ms
 from gr_plugin.cache import cudart
-from gr_plugin.cache.transfer import joint_runs
+from gr_plugin.cache.transfer import joint_runs, layer_spans
 
 
 def groupings(layers: int) -> dict[str, list[list[int]]]:
     """Each way's groups of layers, in copy order (the last layer always alone: the step's tail
     waits for it)."""
-    if layers < 3:
-        return {"layers": [[i] for i in range(layers)]}
-    pairs = [[0]] + [list(range(i, min(i + 2, layers - 1))) for i in range(1, layers - 1, 2)] + [[layers - 1]]
+    spans = layer_spans(layers)
+    pairs = [[i + k for k in range(span)] for i, span in enumerate(spans) if span]
     front = [[i, i + 1] for i in range(0, layers - 2, 2)] + [[i] for i in range(layers - 2 + layers % 2, layers)]
     return {"layers": [[i] for i in range(layers)], "pairs": pairs, "front": front}
 
@@ -60,23 +60,16 @@ def _pages(m, plan) -> tuple[list[int], list[int]]:
     return src, dst
 
 
-def onboard(m, plan, groups: list[list[int]], layouts) -> list[torch.cuda.Event]:
+def onboard(m, plan, groups: list[list[int]], copier) -> list[torch.cuda.Event]:
     """Every group's copies queued on the engine's copy stream behind the caller's stream; each
-    layer's event. ``layouts``: the host and device tables' `cudart.page_layout`."""
-    rt = cudart.runtime()
-    src, dst = _pages(m, plan)
-    runs = joint_runs(src, dst)
-    (s_base, s_layer, page), (d_base, d_layer, _) = layouts
+    layer's event. ``copier``: `cudart.raw_copier` of the host and device tables."""
+    runs = joint_runs(*_pages(m, plan))
     stream = m.transfer.h2d_stream
     m.transfer._fence(stream)  # (the engine's raw fence: `wait_stream` costs tens of µs)
     events: list = [None] * m.config.num_layers
     for g in groups:
         for s0, d0, n in runs:
-            to, fro = d_base + g[0] * d_layer + d0 * page, s_base + g[0] * s_layer + s0 * page
-            if len(g) == 1:
-                rt.memcpy_async(to, fro, n * page, cudart.H2D, stream)
-            else:
-                rt.memcpy2d_async(to, d_layer, fro, s_layer, n * page, len(g), cudart.H2D, stream)
+            copier(g[0], s0, d0, n, stream, len(g))
         ev = torch.cuda.Event()
         ev.record(stream)
         for i in g:
@@ -93,7 +86,8 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
     engine_ways = {"engine": {}, "engine_per_layer": {"group_layers": False},
                    "engine_lazy": {"onboard_lookahead": 1}}  # the engine's settings per way
     ways = {**dict.fromkeys(engine_ways), **groupings(num_layers)}
-    layouts = cudart.page_layout(m.backend.host_table), cudart.page_layout(m.kv_table)
+    copier = cudart.raw_copier(m.backend.host_table, m.kv_table)
+    assert copier is not None, "no raw copies on this machine"
     times: dict[str, list[float]] = {w: [] for w in ways}
     with torch.no_grad():
         plan = blk.plan([1], tokens)
@@ -119,7 +113,7 @@ def one(tokens: int, repeats: int, new: int = 128, candidates: int = 256, page: 
                 if groups is None:
                     wait = m.onboard_launch(plan).wait_layer
                 else:
-                    events = onboard(m, plan, groups, layouts)
+                    events = onboard(m, plan, groups, copier)
 
                     def wait(i: int, events=events) -> None:
                         torch.cuda.current_stream().wait_event(events[i])

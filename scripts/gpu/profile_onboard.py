@@ -6,7 +6,7 @@ The tiers bench's bs-1 setup (head_dim 128, page 128, 8 layers, every cached pag
 50 onboard launches under cProfile (each after an evict + plan, followed by a sync, abort and
 flush, which are not profiled), then the top functions by own time and by cumulative time; then
 50 launches without the profiler, with checkpoints (perf_counter at the entry and exit of the
-transfer engine's copy, its fence and each raw cudaMemcpyAsync): the median µs from the call
+transfer engine's copy, its fence and each raw cudaMemcpyAsync / cudaMemcpy2DAsync): the median µs from the call
 to each checkpoint, so the host time before the first copy is queued reads directly.
 """
 
@@ -70,6 +70,7 @@ def checkpoints(blk: Block, tokens: int, runs: int = 50) -> None:
     wrap(m.transfer, "copy", "engine.copy")
     wrap(m.transfer, "_fence", "fence")
     wrap(rt, "memcpy_async", "memcpy")
+    wrap(rt, "memcpy2d_async", "memcpy2d")  # (a pair of layers' run: `layer_spans`)
     rows: dict[str, list[float]] = {}
     for i in range(runs + 5):
         m.evict([1])

@@ -4,7 +4,7 @@ lands when, is tests/gpu/test_gpu_paths.py::test_raw_onboard_launches_each_layer
 import pytest
 import torch
 
-from gr_plugin.cache.transfer import TransferError, _LazyCudaHandle
+from gr_plugin.cache.transfer import TransferError, _LazyCudaHandle, grouped_issue, layer_spans
 
 
 class Event:
@@ -170,3 +170,37 @@ def test_the_transfer_engine_rejects_a_look_ahead_below_one_layer():
     assert engine.onboard_lookahead == 3  # a rejected value leaves the engine as it was
     engine.onboard_lookahead = None  # every layer at launch (the default)
     assert engine.onboard_lookahead is None
+
+
+def pair_copier(log: list, fail_at: int | None = None):
+    """``copy(layer, layers)`` for `grouped_issue`: logs the copy, returns the event after it."""
+    def copy(layer: int, layers: int) -> Event:
+        if layer == fail_at:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed at layer {layer}")
+        log.append(("copy", layer, layers))
+        return Event(layer, log)
+    return copy
+
+
+def test_grouped_layers_share_their_copy_and_its_event(monkeypatch):
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream(log))
+    handle = _LazyCudaHandle(grouped_issue(layer_spans(6), pair_copier(log)), 6, 1, ahead=1)  # 0 | 1 2 | 3 4 | 5
+    assert log == [("copy", 0, 1), ("copy", 1, 2)]  # one ahead of layer 0 is layer 1: the pair 1 2
+    handle.wait_layer(1)
+    assert log[2:] == [("wait", 1)]  # layer 2, one ahead, was copied with layer 1: nothing new
+    handle.wait_layer(2)
+    assert log[3:] == [("wait", 1), ("copy", 3, 2)]  # layer 2 waits on the pair's event
+    handle.wait()
+    assert log[5:] == [("copy", 5, 1), ("sync", 5)]
+    assert [e for e in log if e[0] == "copy"] == [("copy", 0, 1), ("copy", 1, 2), ("copy", 3, 2), ("copy", 5, 1)]
+
+
+def test_a_failed_pair_waits_for_what_went_and_every_later_call_raises():
+    log: list = []
+    handle = _LazyCudaHandle(grouped_issue(layer_spans(6), pair_copier(log, fail_at=3)), 6, 1, ahead=6)
+    assert log == [("copy", 0, 1), ("copy", 1, 2), ("sync", 1)]  # the pair 3 4 failed: what went has run
+    for layer in (2, 3, 4):
+        with pytest.raises(TransferError, match="at layer 3"):
+            handle.wait_layer(layer)
+    assert log == [("copy", 0, 1), ("copy", 1, 2), ("sync", 1)]

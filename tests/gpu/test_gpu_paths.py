@@ -151,24 +151,42 @@ def test_raw_onboard_launches_each_layer_when_it_is_waited_for(grouped):
     m.check()
 
 
+def _count_2d_copies(monkeypatch) -> list:
+    """Spy on the raw 2-D copies (`cudart.Runtime.memcpy2d_async`): one entry per launch."""
+    from gr_plugin.cache import cudart
+
+    calls, real = [], cudart.Runtime.memcpy2d_async
+
+    def spy(self, *args):
+        calls.append(args[5])  # the rows: layers
+        return real(self, *args)
+    monkeypatch.setattr(cudart.Runtime, "memcpy2d_async", spy)
+    return calls
+
+
 def test_a_raw_copy_of_several_layers_equals_a_copy_per_layer(monkeypatch):
-    """The raw copier's ``layers``: one 2-D copy of a run of pages of consecutive layers (within the
-    device's pitch limit), else one copy per layer; both ways, the same bytes, nothing else
-    written."""
+    """The raw copier's ``layers``: one 2-D copy of a run of pages of consecutive layers where both
+    tables' layer strides are within the device's pitch limit, else one copy per layer (a limit
+    between the two strides: per layer); both ways, the same bytes, nothing else written."""
     from gr_plugin.cache import cudart
 
     rt = cudart.runtime()
     assert rt is not None and rt.max_pitch(torch.cuda.current_device()) >= 1 << 20
     g = torch.Generator().manual_seed(5)
-    host = torch.randn(5, 20, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
-    want = torch.zeros(5, 30, 2, 16, 2, 64, dtype=torch.bfloat16)
+    host = torch.randn(5, 20, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()  # 163840 B a layer
+    want = torch.zeros(5, 30, 2, 16, 2, 64, dtype=torch.bfloat16)  # 245760 B a layer
     want[1:4, 7:11], want[0, 0:2] = host[1:4, 3:7], host[0, 10:12]
     want_back = torch.zeros_like(host)
     want_back[2:5, 0:4] = want[2:5, 7:11]
     stream = torch.cuda.Stream()
-    for limit in (None, 0):  # the device's limit: 2-D copies; a limit below the strides: a copy per layer
+    calls = _count_2d_copies(monkeypatch)
+    real_limit = cudart.Runtime.max_pitch
+    for limit, two_d in ((None, [3, 3]), (200_000, []), (0, [])):
         if limit is not None:
             monkeypatch.setattr(cudart.Runtime, "max_pitch", lambda self, device, limit=limit: limit)
+        else:
+            monkeypatch.setattr(cudart.Runtime, "max_pitch", real_limit)
+        calls.clear()
         dev = torch.zeros(want.shape, dtype=torch.bfloat16, device="cuda")
         back = torch.zeros_like(host).pin_memory()
         torch.cuda.synchronize()
@@ -176,68 +194,65 @@ def test_a_raw_copy_of_several_layers_equals_a_copy_per_layer(monkeypatch):
         cudart.raw_copier(host, dev)(0, 10, 0, 2, stream)
         cudart.raw_copier(dev, back)(2, 7, 0, 4, stream, 3)  # layers 2-4, device pages 7-10 -> host 0-3
         stream.synchronize()
+        assert calls == two_d, limit
         assert torch.equal(dev.cpu(), want), limit
         assert torch.equal(back, want_back), limit
 
 
-def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one():
-    """Eight layers, two runs of pages: the engine's grouped raw onboard (0 | 1 2 | 3 4 | 5 6 | 7),
-    its per-layer one and ``Tensor.copy_`` copies leave identical device tables, and each layer's
-    wait covers its own pages."""
+def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one(monkeypatch):
+    """Eight layers, two runs of pages, 32 MiB a layer: the engine's grouped raw onboard (0 | 1 2 |
+    3 4 | 5 6 | 7: one 2-D copy per run and pair), its per-layer one and ``Tensor.copy_`` copies
+    leave identical device tables, and a read of each layer right after its wait sees its pages
+    (each layer's copy takes ~0.6 ms, far longer than the host's loop over the waits, so a wait on
+    an earlier layer's event would read NaN)."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(6)
-    host = torch.randn(8, 24, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
-    src, dst = torch.tensor([*range(2, 9), 15, 16]), torch.tensor([*range(10, 17), 3, 4])
+    host = torch.randn(8, 140, 2, 128, 4, 128, generator=g).to(torch.bfloat16).pin_memory()  # 256 KiB a page
+    src, dst = torch.tensor([*range(2, 120), 130, 131]), torch.tensor([*range(10, 128), 3, 4])
+    calls = _count_2d_copies(monkeypatch)
+    dst_dev = dst.cuda()  # (no host->device index copy among the reads)
     tables = []
-    for kw in ({"group_layers": True}, {"group_layers": False}, {"raw_copies": False}):
+    for kw, two_d in (({"group_layers": True}, [2] * 6), ({"group_layers": False}, []), ({"raw_copies": False}, [])):
+        calls.clear()
         engine = CudaTransferEngine(torch.device("cuda"), **kw)
-        dev = torch.full((8, 20, 2, 16, 2, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+        dev = torch.full((8, 134, 2, 128, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        torch.cuda.synchronize()
         handle = engine.copy(host, src, dev, dst)
         seen = []
         for layer in range(8):  # each layer read on the caller's stream right after its wait
             handle.wait_layer(layer)
-            seen.append(dev[layer, dst].clone())
+            seen.append(dev[layer].index_select(0, dst_dev))
         handle.wait()
+        assert calls == two_d, kw
         assert torch.equal(torch.stack(seen).cpu(), host[:, src]), kw
         tables.append(dev.cpu())
+        del dev
     assert torch.equal(tables[0][:, dst], host[:, src])
-    assert tables[0][:, [0, 1, 2, 5, 6, 7, 8, 9, 17, 18, 19]].isnan().all()
+    assert tables[0][:, [0, 1, 2, 5, 6, 7, 8, 9, 128, 133]].isnan().all()
     assert all(torch.equal(t.nan_to_num(7), tables[0].nan_to_num(7)) for t in tables[1:])
 
 
-def test_a_raw_onboard_queues_every_layer_at_launch_by_default():
-    from gr_plugin.cache.transfer import CudaTransferEngine
-
-    g = torch.Generator().manual_seed(3)
-    host = torch.randn(5, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
-    src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
-    engine = CudaTransferEngine(torch.device("cuda"))
-    assert engine.onboard_lookahead is None
-    dev = torch.zeros(5, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
-    handle = engine.copy(host, src, dev, dst)
-    torch.cuda.synchronize()
-    assert torch.equal(dev[:, dst].cpu(), host[:, src]) and dev[:, [0, 4, 8, 9]].abs().sum() == 0
-    handle.wait_layer(4)
-    assert handle.done()
-
-
-def test_raw_onboard_with_a_deeper_look_ahead_queues_that_many_layers():
-    """``onboard_lookahead=2``: layers 0..2 go at launch, layer ``i + 2`` at the first wait for ``i``."""
+@pytest.mark.parametrize("ahead, at_launch, after_wait_1", [(2, 3, 4), (None, 5, 5)])
+def test_raw_onboard_queues_its_look_ahead_at_launch(ahead, at_launch, after_wait_1):
+    """Per layer (five layers): ``onboard_lookahead=2`` copies layers 0..2 at launch and layer
+    ``i + 2`` at the first wait for ``i``; the default (None) copies every layer at launch."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(2)
     host = torch.randn(5, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
     src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
-    engine = CudaTransferEngine(torch.device("cuda"), onboard_lookahead=2)
+    kw = {} if ahead is None else {"onboard_lookahead": ahead}
+    engine = CudaTransferEngine(torch.device("cuda"), group_layers=False, **kw)
+    assert engine.onboard_lookahead == ahead
     dev = torch.zeros(5, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     handle = engine.copy(host, src, dev, dst)
     copied = lambda: [bool(torch.equal(dev[layer, dst].cpu(), host[layer, src])) for layer in range(5)]  # noqa: E731
     torch.cuda.synchronize()
-    assert copied() == [True, True, True, False, False]
+    assert copied() == [i < at_launch for i in range(5)]
     handle.wait_layer(1)
     torch.cuda.synchronize()
-    assert copied() == [True, True, True, True, False]
+    assert copied() == [i < after_wait_1 for i in range(5)]
     handle.wait_layer(3)
     handle.wait()
     assert copied() == [True] * 5 and dev[:, [0, 4, 8, 9]].abs().sum() == 0
