@@ -225,8 +225,8 @@ class _LazyCudaHandle(_CudaHandle):
     (~75 µs at 2K tokens; the tiers profile at 1ee68ad showed a 79 µs gap before layer 1's copy
     with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``, by default
     every layer: in the tiers bench's interleaved requests on a slow host, one layer ahead took
-    0.747 ms at 2K tokens against 0.702 with every layer at launch, and from 4K tokens on the two
-    were within the table's resolution (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
+    0.747 ms at 2K tokens against 0.702 with every layer at launch; from 4K tokens on, and on a
+    faster host at 2K, the two were within a few µs (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
     for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
     lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
     without waiting for this bookkeeping) passes that layer's event as ``first``.
