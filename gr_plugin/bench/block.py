@@ -461,7 +461,7 @@ def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int 
     timed alone from an idle GPU, the same way in every column (`_request`); the columns' requests
     are interleaved (a round runs one of each, each first in turn), medians of ``repeats`` rounds
     (the host's launch time varies from request to request and from stretch to stretch of a run,
-    and at 2K tokens the launch's return comes 13-23% into the request); ``gpu_hit_replays_ms`` is
+    and at 2K tokens the launch's return comes 13-27% into the request); ``gpu_hit_replays_ms`` is
     the whole-stack graph's replay alone, back to back. ``host_hit_layerwise_per_layer_ms``: the
     layerwise request with every layer copied alone (the engine's default copies them in pairs,
     `layer_spans`). ``lookaheads``: the layerwise request again with the onboard keeping each of

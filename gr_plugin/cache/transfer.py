@@ -225,8 +225,9 @@ class _LazyCudaHandle(_CudaHandle):
     (~75 µs at 2K tokens; the tiers profile at 1ee68ad showed a 79 µs gap before layer 1's copy
     with none ahead). How far ahead is `CudaTransferEngine`'s ``onboard_lookahead``, by default
     every layer: in the tiers bench's interleaved requests on a slow host, one layer ahead took
-    0.747 ms at 2K tokens against 0.702 with every layer at launch; from 4K tokens on, and on a
-    faster host at 2K, the two were within a few µs (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
+    0.747 ms at 2K tokens against 0.702 with every layer at launch; from 4K tokens on they were
+    within the bench's resolution (~20 µs), and on a faster host at 2K within 5 µs
+    (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
     for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
     lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
     without waiting for this bookkeeping) passes that layer's event as ``first``.
@@ -351,7 +352,8 @@ def grouped_issue(spans: tuple[int, ...], copy: Callable[[int, int], Any]) -> Ca
     """`_LazyCudaHandle`'s ``issue`` over `layer_spans`: a span's first layer runs ``copy(layer,
     span)`` (its copies, then an event after them) and gets that event; a layer copied with the one
     before it gets the same event, and nothing is copied again. The handle issues layers in order,
-    each once."""
+    each once, and never again after a ``copy`` raised (else a later layer would get the event of
+    the last pair that went)."""
     queued: list = []
 
     def issue(layer: int):
@@ -468,7 +470,7 @@ class CudaTransferEngine(TransferEngine):
                 ev.record(stream)
                 return ev
             # NOTE: layer 0 first, then the handle's bookkeeping: the step's first wait is for these
-            # copies, and until they are queued the copy engine idles (a failure here is `copy`'s,
+            # copies, and until they are queued the copy engine idles (a failure here is `CudaTransferEngine.copy`'s,
             # which waits for whatever of layer 0 was queued before raising)
             issue = grouped_issue(layer_spans(num_layers, self.group_layers), copy)
             first = issue(0)

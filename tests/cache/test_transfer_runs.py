@@ -1,5 +1,5 @@
 """The transfer engine's runs of pages (`contiguous_runs`, `joint_runs`): each run is one copy; and
-its groups of layers (`layer_spans`): each group one copy per run."""
+its groups of layers (`layer_spans`): every layer in exactly one group."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st

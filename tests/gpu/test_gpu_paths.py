@@ -200,11 +200,11 @@ def test_a_raw_copy_of_several_layers_equals_a_copy_per_layer(monkeypatch):
 
 
 def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one(monkeypatch):
-    """Eight layers, two runs of pages, 32 MiB a layer: the engine's grouped raw onboard (0 | 1 2 |
+    """Eight layers, two runs of pages, 30 MiB a layer: the engine's grouped raw onboard (0 | 1 2 |
     3 4 | 5 6 | 7: one 2-D copy per run and pair), its per-layer one and ``Tensor.copy_`` copies
-    leave identical device tables, and a read of each layer right after its wait sees its pages
-    (each layer's copy takes ~0.6 ms, far longer than the host's loop over the waits, so a wait on
-    an earlier layer's event would read NaN)."""
+    leave identical device tables, and a read of each layer on its own stream right after its wait
+    sees its pages (each layer's copy takes ~0.6 ms, far longer than the host's loop over the
+    waits, so a read ordered by an earlier copy's event would see NaN)."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(6)
@@ -219,11 +219,13 @@ def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one(monkeypatch):
         dev = torch.full((8, 134, 2, 128, 4, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
         torch.cuda.synchronize()
         handle = engine.copy(host, src, dev, dst)
-        seen = []
-        for layer in range(8):  # each layer read on the caller's stream right after its wait
-            handle.wait_layer(layer)
-            seen.append(dev[layer].index_select(0, dst_dev))
+        seen, streams = [], [torch.cuda.Stream() for _ in range(8)]
+        for layer, stream in enumerate(streams):  # each read ordered by its own layer's wait only
+            with torch.cuda.stream(stream):
+                handle.wait_layer(layer)
+                seen.append(dev[layer].index_select(0, dst_dev))
         handle.wait()
+        torch.cuda.synchronize()
         assert calls == two_d, kw
         assert torch.equal(torch.stack(seen).cpu(), host[:, src]), kw
         tables.append(dev.cpu())
@@ -233,17 +235,20 @@ def test_a_grouped_raw_onboard_moves_the_bytes_of_a_per_layer_one(monkeypatch):
     assert all(torch.equal(t.nan_to_num(7), tables[0].nan_to_num(7)) for t in tables[1:])
 
 
-@pytest.mark.parametrize("ahead, at_launch, after_wait_1", [(2, 3, 4), (None, 5, 5)])
-def test_raw_onboard_queues_its_look_ahead_at_launch(ahead, at_launch, after_wait_1):
-    """Per layer (five layers): ``onboard_lookahead=2`` copies layers 0..2 at launch and layer
-    ``i + 2`` at the first wait for ``i``; the default (None) copies every layer at launch."""
+@pytest.mark.parametrize("ahead, grouped, at_launch, after_wait_1",
+                         [(2, False, 3, 4), (None, False, 5, 5), (None, True, 5, 5), (1, True, 3, 3)])
+def test_raw_onboard_queues_its_look_ahead_at_launch(ahead, grouped, at_launch, after_wait_1):
+    """Five layers: per layer, ``onboard_lookahead=2`` copies layers 0..2 at launch and layer
+    ``i + 2`` at the first wait for ``i``; the default (None) copies every layer at launch, grouped
+    (0 | 1 2 | 3 | 4) or not; one ahead, grouped, layers 0..2 at launch (layer 1's copy is layer
+    2's) and nothing more at the wait for layer 1."""
     from gr_plugin.cache.transfer import CudaTransferEngine
 
     g = torch.Generator().manual_seed(2)
     host = torch.randn(5, 12, 2, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory()
     src, dst = torch.tensor([2, 3, 4]), torch.tensor([5, 6, 7])
     kw = {} if ahead is None else {"onboard_lookahead": ahead}
-    engine = CudaTransferEngine(torch.device("cuda"), group_layers=False, **kw)
+    engine = CudaTransferEngine(torch.device("cuda"), group_layers=grouped, **kw)
     assert engine.onboard_lookahead == ahead
     dev = torch.zeros(5, 10, 2, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     handle = engine.copy(host, src, dev, dst)
