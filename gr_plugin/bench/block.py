@@ -356,8 +356,9 @@ def _request(blk: Block, step: StaticStep, tokens: int, cached: int, mode: str, 
     launches its copies through ``Tensor.copy_`` instead of raw ``cudaMemcpyAsync``;
     ``lookahead``: the layers a raw onboard keeps queued past the last one waited for (None: the
     engine's setting as it is, by default every layer at launch); ``group_layers`` False: a raw
-    onboard copies each layer alone instead of in pairs (`layer_spans`). The evict, lookup and allocate before the
-    first event are not timed (`tiers_plan`), nor is setting the engine's knobs."""
+    onboard copies each layer alone instead of in pairs (`layer_spans`). The evict, lookup and
+    allocate before the first event are not timed (`tiers_plan`), nor is setting the engine's
+    knobs."""
     m = blk.cache
     prior = m.transfer.raw_copies, m.transfer.onboard_lookahead, m.transfer.group_layers
     try:
@@ -465,9 +466,9 @@ def tiers(tokens_list=(2048, 4096, 8192, 16384), head_dim: int = 128, page: int 
     the whole-stack graph's replay alone, back to back. ``host_hit_layerwise_per_layer_ms``: the
     layerwise request with every layer copied alone (the engine's default copies them in pairs,
     `layer_spans`). ``lookaheads``: the layerwise request again with the onboard keeping each of
-    these many layers' copies queued ahead
-    (``host_hit_layerwise_ahead<n>_ms`` and ``_launch_us``; the table shows 1 and 2; the engine's
-    default, every layer at launch, is ``host_hit_layerwise_ms``)."""
+    these many layers' copies queued ahead (``host_hit_layerwise_ahead<n>_ms`` and ``_launch_us``;
+    the table shows 1 and 2; the engine's default, every layer at launch, is
+    ``host_hit_layerwise_ms``)."""
     rows = []
     for tokens in tokens_list:
         rows.append(_tiers_one(tokens, head_dim, page, new, candidates, repeats, tuple(lookaheads)))

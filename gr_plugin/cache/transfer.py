@@ -212,10 +212,10 @@ class _LazyCudaHandle(_CudaHandle):
     """An onboard whose copies are launched layer by layer, ``ahead`` layers ahead: layers
     ``0..ahead`` at once, layers up to ``i + ahead`` by the first ``wait_layer(j >= i)``, every
     layer by ``wait``, ``done`` or ``launch`` (``issue(layer)`` may copy more than that layer:
-    `grouped_issue`). A failed launch first waits (host) for
-    whatever this onboard had queued, a failed layer's first runs included (``mark`` records an
-    event after them), so no copy of it is still writing when the error reaches a caller that frees
-    its pages; from then on every call raises `TransferError` and nothing is launched again.
+    `grouped_issue`). A failed launch first waits (host) for whatever this onboard had queued, a
+    failed layer's first runs included (``mark`` records an event after them), so no copy of it is
+    still writing when the error reaches a caller that frees its pages; from then on every call
+    raises `TransferError` and nothing is launched again.
 
     The first layer's copy is what the first layer waits for, so it goes first; the later layers'
     copies go onto the copy stream behind it, fenced behind what the caller had queued at the
@@ -227,10 +227,10 @@ class _LazyCudaHandle(_CudaHandle):
     every layer: in the tiers bench's interleaved requests on a slow host, one layer ahead took
     0.747 ms at 2K tokens against 0.702 with every layer at launch; from 4K tokens on they were
     within the bench's resolution (~20 µs), and on a faster host at 2K within 5 µs
-    (docs/BENCHMARKS.md, tiers). A manager reaping finished copies
-    for another plan meanwhile calls ``done`` and so launches the rest early: correct, only not
-    lazy. A caller that issued layer 0 itself (before building the handle, so the first copy goes
-    without waiting for this bookkeeping) passes that layer's event as ``first``.
+    (docs/BENCHMARKS.md, tiers). A manager reaping finished copies for another plan meanwhile
+    calls ``done`` and so launches the rest early: correct, only not lazy. A caller that issued
+    layer 0 itself (before building the handle, so the first copy goes without waiting for this
+    bookkeeping) passes that layer's event as ``first``.
     """
 
     def __init__(self, issue: Callable[[int], torch.cuda.Event], num_layers: int, num_pages: int,
@@ -372,9 +372,9 @@ class CudaTransferEngine(TransferEngine):
 
     Host slots are read and written in runs of consecutive slots, each run of a layer one
     ``cudaMemcpyAsync`` (launched raw through ctypes where it can be: `gr_plugin.cache.cudart`; a
-    raw onboard copies a run of two layers as one 2-D copy, `layer_spans`)
-    straight from/to the pinned host table (the host tier allocates a user's
-    pages as one run when it can); the device side goes through a device staging buffer and one
+    raw onboard copies a run of two layers as one 2-D copy, `layer_spans`) straight from/to the
+    pinned host table (the host tier allocates a user's pages as one run when it can); else the
+    device side goes through a device staging buffer and one
     gather/scatter kernel. When the host side is badly fragmented (more than ``max_runs`` runs) it
     falls back to gathering on the host into pinned staging first.
     """
@@ -470,8 +470,8 @@ class CudaTransferEngine(TransferEngine):
                 ev.record(stream)
                 return ev
             # NOTE: layer 0 first, then the handle's bookkeeping: the step's first wait is for these
-            # copies, and until they are queued the copy engine idles (a failure here is `CudaTransferEngine.copy`'s,
-            # which waits for whatever of layer 0 was queued before raising)
+            # copies, and until they are queued the copy engine idles (a failure here is
+            # `CudaTransferEngine.copy`'s, which waits for whatever of layer 0 was queued before raising)
             issue = grouped_issue(layer_spans(num_layers, self.group_layers), copy)
             first = issue(0)
             return _LazyCudaHandle(issue, num_layers, n, mark, ahead=self.onboard_lookahead or num_layers, first=first)
