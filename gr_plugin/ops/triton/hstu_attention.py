@@ -390,7 +390,7 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: in
     few = _FEW_TILE_BLOCKS.get(head_dim)
     if not paged or few is None or dtype.itemsize != 2 or not _large_tiles_fit(device):
         return blocks
-    tiles = _query_tiles(nq, bsz, _cdiv(max(max_q_len, 1), 128), 128) * heads
+    tiles = _programs(nq, bsz, heads, max_q_len, 128)
     if tiles <= FEW_TILES[head_dim] or max_kv_len is None:  # (None: no tight bound on the histories)
         return few if tiles <= FEW_TILES[head_dim] else blocks
     # NOTE: past the few tiles, whichever of the two the makespan model (`_makespan`) expects to
@@ -399,8 +399,7 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: in
     # 64x64 tiles with 5 and 4 splits, at bs 8 with a 16384 history on the 128x128 ones with 4.
     times = []
     for bl in (blocks, few):
-        m_blocks = _cdiv(max(max_q_len, 1), bl[0])
-        est = _makespan(_query_tiles(nq, bsz, m_blocks, bl[0]) * heads, max_kv_len, bl, head_dim, device)
+        est = _makespan(_programs(nq, bsz, heads, max_q_len, bl[0]), max_kv_len, bl, head_dim, device)
         if est is None:
             return blocks
         times.append(est[0])
@@ -477,13 +476,18 @@ def _query_tiles(nq: int, bsz: int, m_blocks: int, block_m: int) -> int:
     return max(1, min(m_blocks * bsz, users + (nq - users) // block_m))
 
 
+def _programs(nq: int, bsz: int, heads: int, max_q_len: int, block_m: int) -> int:
+    """The split rule's programs before splitting: the query tiles of ``block_m`` rows that can hold
+    rows (`_query_tiles`), times the heads."""
+    return _query_tiles(nq, bsz, _cdiv(max(max_q_len, 1), block_m), block_m) * heads
+
+
 def _default_splits(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
                     blocks: tuple[int, int, int, int], dim: int, itemsize: int, device: torch.device,
                     model: bool = True) -> int:
     """The split grid's key splits where the caller names none: `_splits` of the programs of the
     query tiles that can hold rows (`_query_tiles`); ``model`` as there."""
-    m_blocks = _cdiv(max(max_q_len, 1), blocks[0])
-    return _splits(_query_tiles(nq, bsz, m_blocks, blocks[0]) * heads, max_kv_len, blocks, dim, itemsize, device,
+    return _splits(_programs(nq, bsz, heads, max_q_len, blocks[0]), max_kv_len, blocks, dim, itemsize, device,
                    model)
 
 
@@ -593,9 +597,10 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
     fits, else the split grid) and the split count (1 for stream-K; `_default_splits` where none is
     named)."""
     want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
+    kv_len = max_kv_len if max_kv_len is not None else max_q_len
     if blocks is None:  # the few-tile blocks only where the split rule picks the count
-        kv_len = (max_kv_len if max_kv_len is not None else max_q_len) if tight_kv_len else None
-        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len, dim, dtype, paged, device)
+        blocks = (_launch_blocks(nq, bsz, heads, max_q_len, kv_len if tight_kv_len else None, dim, dtype, paged,
+                                 device)
                   if num_splits is None and not want_stream else _blocks(dim, dtype, paged, device))
     m_blocks = _cdiv(max(max_q_len, 1), blocks[0])
     if schedule is None:  # (the tiles' table of `_stream_tiles` lives in registers: bounded)
@@ -607,8 +612,8 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
     if stream:
         num_splits = 1
     elif num_splits is None:
-        num_splits = _default_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
-                                     blocks, dim, dtype.itemsize, device, model=paged and tight_kv_len)
+        num_splits = _default_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, dtype.itemsize, device,
+                                     model=paged and tight_kv_len)
     return blocks, stream, num_splits
 
 
