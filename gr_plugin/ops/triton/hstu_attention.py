@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from gr_plugin.ops.triton import layer_norm, table_layout
+from gr_plugin.ops.triton.activation import silu
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -130,11 +131,14 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+          SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
     (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
-    ``kv_indices`` (paged form), which the caller loads.
+    ``kv_indices`` (paged form), which the caller loads. ``SILU`` (paged form): ``Q``, ``K`` and
+    ``V`` hold the projection before its SiLU, applied here as they are read (`activation.silu`);
+    the pages hold K/V after it.
 
     NOTE: the caller computes where the rows go itself. Inductor's analysis of which arguments a
     kernel writes (a traced launch, AOTInductor) follows a store's address back through its ops, and
@@ -149,6 +153,8 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    if SILU:
+        q = silu(q, LIBDEVICE)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -183,6 +189,9 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
         cand = row_ok & (rows >= new)
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
         v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
+        if SILU:
+            k_own = silu(k_own, LIBDEVICE)
+            v_own = silu(v_own, LIBDEVICE)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
         acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
     return acc
@@ -220,7 +229,7 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
-    REVERSED: tl.constexpr,
+    REVERSED: tl.constexpr, SILU: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
@@ -246,7 +255,7 @@ def _hstu_fwd(
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU, LIBDEVICE)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
@@ -291,7 +300,7 @@ def _hstu_fwd(
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU, LIBDEVICE)
             q_start = tl.load(q_offsets + b).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -619,7 +628,8 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True,
+            silu_inputs=False):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -628,8 +638,12 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
-    count the one-wave rule's."""
+    count the one-wave rule's. ``silu_inputs`` (paged form): ``q``, ``k``, ``v`` and the norm gate's
+    ``u`` are the projection before its SiLU, which the kernels apply as they read them (the pages
+    hold K/V after it)."""
     nq, heads, dim = q.shape
+    if silu_inputs and not paged:
+        raise ValueError("silu_inputs applies to the paged form (its history K/V come from pages), not the jagged one")
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     if norm_gate is not None:
@@ -658,7 +672,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
-        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate)
+        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate, silu_inputs)
     if num_splits == 1:
         out = target = torch.empty_like(q)
     else:
@@ -701,17 +715,18 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-        REVERSED=bool(reversed_programs) and stream,
+        REVERSED=bool(reversed_programs) and stream, SILU=bool(silu_inputs), LIBDEVICE=q.is_cuda,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         if norm_gate is not None:
             weight, bias, eps, u = norm_gate
-            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype)
+            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype,
+                                                 silu_u=silu_inputs)
         n = out.numel()
         _sum_parts[(_cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
                                             BLOCK=_SUM_BLOCK)
-    return _gated(out, norm_gate)
+    return _gated(out, norm_gate, silu_inputs)
 
 
 def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:
@@ -727,11 +742,11 @@ def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:
             raise ValueError(f"norm_gate's {name} must be [{n}] on {q.device}, got {tuple(t.shape)} on {t.device}")
 
 
-def _gated(out: torch.Tensor, norm_gate) -> torch.Tensor:
+def _gated(out: torch.Tensor, norm_gate, silu_u: bool = False) -> torch.Tensor:
     if norm_gate is None:
         return out
     weight, bias, eps, u = norm_gate
-    return layer_norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)
+    return layer_norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_u)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
