@@ -67,13 +67,14 @@ def case(dim, page, bs):
         shape = (n, 4, dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def attention(t, silu):
+    def attention(t, silu, mode=None):
         u, q, k, v = views(t)
-        return lambda: paged_hstu_attention(
+        op, extra = (paged_hstu_attention, {}) if mode is None else (tri.paged_hstu_attention, {"silu_mode": mode})
+        return lambda: op(
             q, k, v, table[0], meta.kv_indices, meta.kv_indptr, meta.total_lengths, q_off, meta.new_lengths,
             alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=new + CANDS, max_history_len=meta.max_total_len,
             num_history_tokens=meta.num_total_tokens, norm_gate=NormGate(gate.weight, gate.bias, gate.eps, u),
-            silu_inputs=silu)
+            silu_inputs=silu, **extra)
 
     def append(t, silu):
         _, _, k, v = views(t)
@@ -86,6 +87,21 @@ def case(dim, page, bs):
         return lambda: layer_norm_mul(a, gate.weight, gate.bias, gate.eps, u, silu_u=silu)
 
     print(f"=== head_dim {dim} page {page} bs {bs}: {n} query rows")
+    # the attention's ways of applying the SiLU (`_tile`'s SILU): 1 in registers, 2 the queries staged
+    # through a scratch in global memory, 3 the candidates' own keys and values too
+    with torch.no_grad():
+        graphs = {"activated": _graph(attention(act, False))}
+        for mode in (1, 2, 3):
+            before = compiled(tri._hstu_fwd)
+            graphs[f"mode {mode}"] = _graph(attention(y, True, mode))
+            for key, (regs, spills) in compiled(tri._hstu_fwd).items():
+                if key not in before:
+                    print(f"    mode {mode} compiled _hstu_fwd: {regs} registers, {spills} spills")
+        times = {k: [] for k in graphs}
+        for _ in range(3):
+            for k, g in graphs.items():
+                times[k].append(best(g, 1))
+        print("  attention + gate: " + ", ".join(f"{k} {min(v):.2f} us" for k, v in times.items()))
     for name, make, fns in (("attention + gate", attention, (tri._hstu_fwd, tri_norm._sum_ln_mul, tri_norm._ln_mul)),
                             ("append", append, (tri_append._append,)),
                             ("gate alone", gate_only, (tri_norm._ln_mul,))):

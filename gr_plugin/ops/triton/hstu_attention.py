@@ -127,7 +127,7 @@ def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -153,8 +153,14 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if SILU:
+    # the rows' place in the SiLU's scratch QS ([3, Nq, H, D] contiguous: q, k, v)
+    s_offs = q_rows[:, None] * stride_st + h * HEAD_DIM + d[None, :]
+    if SILU == 1:
         q = silu(q, LIBDEVICE)
+    elif SILU >= 2:
+        tl.store(QS + s_offs, silu(q, LIBDEVICE), mask=row_ok[:, None])
+        tl.debug_barrier()
+        q = tl.load(QS + s_offs, mask=row_ok[:, None], other=0.0)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -189,9 +195,15 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
         cand = row_ok & (rows >= new)
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
         v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-        if SILU:
+        if SILU == 1 or SILU == 2:
             k_own = silu(k_own, LIBDEVICE)
             v_own = silu(v_own, LIBDEVICE)
+        elif SILU == 3:
+            tl.store(QS + plane_s + s_offs, silu(k_own, LIBDEVICE), mask=cand[:, None])
+            tl.store(QS + 2 * plane_s + s_offs, silu(v_own, LIBDEVICE), mask=cand[:, None])
+            tl.debug_barrier()
+            k_own = tl.load(QS + plane_s + s_offs, mask=cand[:, None], other=0.0)
+            v_own = tl.load(QS + 2 * plane_s + s_offs, mask=cand[:, None], other=0.0)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
         acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
     return acc
@@ -221,7 +233,7 @@ def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
 
 @triton.jit
 def _hstu_fwd(
-    Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
+    Q, K, V, QS, stride_st, plane_s, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
     bsz, m_blocks, heads, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
     stride_pp, stride_pkv, stride_pt, stride_ph,
@@ -251,7 +263,7 @@ def _hstu_fwd(
         # NOTE: split 0 also adds the candidates' own keys (`_tile`), about 1.5 key blocks' time at bs 1
         # on the H200, and the floor split gives it the smallest share of key blocks. Giving it one
         # block fewer was measured (docs/BENCHMARKS.md): no gain at bs 1, 4% slower at head_dim 256, bs 2.
-        acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+        acc = _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
@@ -296,7 +308,7 @@ def _hstu_fwd(
             te = ts + n_units
             e = tl.minimum(u_hi, te)
             page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
-            acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h,
+            acc = _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h,
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
@@ -629,7 +641,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
             tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True,
-            silu_inputs=False):
+            silu_inputs=False, silu_mode=2):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -700,6 +712,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim])
+    scratch = q.new_empty((3, *q.shape)) if silu_inputs else q.new_empty((1, 0, heads, dim))
     if stream:
         part = torch.empty(programs, 2, block_m, dim, dtype=torch.float32, device=q.device)
         done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
@@ -708,14 +721,14 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         part, done = target, q_offsets
         grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
     _hstu_fwd[grid](
-        q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
+        q, k, v, scratch, scratch.stride(-3), scratch[0].numel(), target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
         target.stride(-3), target.stride(-2),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-        REVERSED=bool(reversed_programs) and stream, SILU=bool(silu_inputs), LIBDEVICE=q.is_cuda,
+        REVERSED=bool(reversed_programs) and stream, SILU=silu_mode if silu_inputs else 0, LIBDEVICE=q.is_cuda,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
