@@ -126,6 +126,23 @@ def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BL
     return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N)
 
 
+_SILU_ROWS = tl.constexpr(16)  # rows of a tile `_stage_silu` takes at a time
+
+
+@triton.jit
+def _stage_silu(X, stride_xt, stride_xh, S, stride_st, q_start, m0, lo, q_len, h, LIBDEVICE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``SiLU`` of head ``h`` of the query rows ``[m0, m0 + BLOCK_M)`` of a user (those in ``[lo,
+    q_len)``) of ``X`` into the scratch ``S`` (rows of ``stride_st``), `_SILU_ROWS` rows at a time."""
+    d = tl.arange(0, HEAD_DIM)
+    for c in tl.static_range(0, BLOCK_M, _SILU_ROWS):
+        r = m0 + c + tl.arange(0, _SILU_ROWS)
+        ok = ((r < q_len) & (r >= lo))[:, None]
+        rr = (q_start + r).to(tl.int64)[:, None]
+        x = tl.load(X + rr * stride_xt + h * stride_xh + d[None, :], mask=ok, other=0.0)
+        tl.store(S + rr * stride_st + h * HEAD_DIM + d[None, :], silu(x, LIBDEVICE), mask=ok)
+
+
 @triton.jit
 def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -152,15 +169,16 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
     row_ok = rows < q_len
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     # the rows' place in the SiLU's scratch QS ([3, Nq, H, D] contiguous: q, k, v)
     s_offs = q_rows[:, None] * stride_st + h * HEAD_DIM + d[None, :]
-    if SILU == 1:
-        q = silu(q, LIBDEVICE)
-    elif SILU >= 2:
-        tl.store(QS + s_offs, silu(q, LIBDEVICE), mask=row_ok[:, None])
+    if SILU >= 2:
+        _stage_silu(Q, stride_qt, stride_qh, QS, stride_st, q_start, m0, 0, q_len, h, LIBDEVICE, HEAD_DIM, BLOCK_M)
         tl.debug_barrier()
         q = tl.load(QS + s_offs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        if SILU == 1:
+            q = silu(q, LIBDEVICE)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -193,17 +211,20 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
     # ~90 at bs 8); as this block, ~2 us (about 1.5 key blocks), in a tile's first program only.
     if first & _holds_candidates(q_len, new, m0, BLOCK_M):
         cand = row_ok & (rows >= new)
-        k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
-        v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-        if SILU == 1 or SILU == 2:
-            k_own = silu(k_own, LIBDEVICE)
-            v_own = silu(v_own, LIBDEVICE)
-        elif SILU == 3:
-            tl.store(QS + plane_s + s_offs, silu(k_own, LIBDEVICE), mask=cand[:, None])
-            tl.store(QS + 2 * plane_s + s_offs, silu(v_own, LIBDEVICE), mask=cand[:, None])
+        if SILU == 3:
+            _stage_silu(K, stride_kt, stride_kh, QS + plane_s, stride_st, q_start, m0, new, q_len, h, LIBDEVICE,
+                        HEAD_DIM, BLOCK_M)
+            _stage_silu(V, stride_vt, stride_vh, QS + 2 * plane_s, stride_st, q_start, m0, new, q_len, h, LIBDEVICE,
+                        HEAD_DIM, BLOCK_M)
             tl.debug_barrier()
             k_own = tl.load(QS + plane_s + s_offs, mask=cand[:, None], other=0.0)
             v_own = tl.load(QS + 2 * plane_s + s_offs, mask=cand[:, None], other=0.0)
+        else:
+            k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
+            v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
+            if SILU:
+                k_own = silu(k_own, LIBDEVICE)
+                v_own = silu(v_own, LIBDEVICE)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
         acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
     return acc
