@@ -88,10 +88,11 @@ def case(dim, page, bs):
 
     print(f"=== head_dim {dim} page {page} bs {bs}: {n} query rows")
     # the attention's ways of applying the SiLU (`_tile`'s SILU): 1 in registers, 2 the queries staged
-    # through a scratch in global memory, 3 the candidates' own keys and values too
+    # through a scratch in global memory, 3 the candidates' own keys and values too, 4 in registers with
+    # the tanh.approx SiLU
     with torch.no_grad():
         graphs = {"activated": _graph(attention(act, False))}
-        for mode in (1, 2, 3):
+        for mode in (1, 2, 3, 4):
             before = compiled(tri._hstu_fwd)
             graphs[f"mode {mode}"] = _graph(attention(y, True, mode))
             for key, (regs, spills) in compiled(tri._hstu_fwd).items():

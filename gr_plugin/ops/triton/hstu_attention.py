@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from gr_plugin.ops.triton import layer_norm, table_layout
-from gr_plugin.ops.triton.activation import silu
+from gr_plugin.ops.triton.activation import silu, silu_tanh
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -179,6 +179,8 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
         q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         if SILU == 1:
             q = silu(q, LIBDEVICE)
+        elif SILU == 4:
+            q = silu_tanh(q)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -222,7 +224,10 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
         else:
             k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
             v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-            if SILU:
+            if SILU == 4:
+                k_own = silu_tanh(k_own)
+                v_own = silu_tanh(v_own)
+            elif SILU:
                 k_own = silu(k_own, LIBDEVICE)
                 v_own = silu(v_own, LIBDEVICE)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
