@@ -153,13 +153,12 @@ class Block:
         def run():
             y, normed = x, None
             for i, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(y, normed, activate=False)
-                self.cache.append_fn(table[i], k, v, slots, rows, silu=True)
+                u, q, k, v = layer.project(y, normed)
+                self.cache.append_fn(table[i], k, v, slots, rows)
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
-                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u),
-                                         silu_inputs=True)
+                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u))
                 y, normed = layer.finish_gated_and_norm(y, a, next_layer(self.layers, i))
             return y
 
@@ -225,17 +224,17 @@ class StaticStep:
             self.whole = _graph(whole)
 
     def _project(self, i: int):
-        return self.blk.layers[i].project(self.ys[i], self.normed[i] if i else None, activate=False)
+        return self.blk.layers[i].project(self.ys[i], self.normed[i] if i else None)
 
     def _attend(self, i: int, projected) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
         u, q, k, v = projected
-        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows, silu=True)
+        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
                                  max_history_len=self.max_hist, num_history_tokens=self.num_hist,
-                                 norm_gate=layer.norm_gate(u), silu_inputs=True)
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.blk.layers, i)
         layer.finish_gated_and_norm(self.ys[i], a, nxt, out=self.ys[i + 1],
                                     normed_out=None if nxt is None else self.normed[i + 1])

@@ -48,7 +48,7 @@ from gr_plugin.cache.transfer import CopyHandle, DoneHandle, TransferEngine, mak
 
 logger = logging.getLogger(__name__)
 
-AppendFn = Callable[..., None]  # (kv_layer, k, v, slots[, rows][, silu=True]) -> None
+AppendFn = Callable[..., None]  # (kv_layer, k, v, slots[, rows]) -> None
 
 
 def _config_dtypes() -> dict[str, torch.dtype]:
@@ -441,11 +441,9 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ append
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan,
-               rows: torch.Tensor | None = None, *, silu: bool = False) -> None:
+               rows: torch.Tensor | None = None) -> None:
         """Write the new tokens' K and V of ``layer`` into the plan's pages: ``k``/``v`` are
-        ``[N, H, D]``, or ``[M, H, D]`` with ``rows [N]`` naming each new token's row. ``silu``:
-        they are the projection before its SiLU, and ``append_fn`` (called with ``silu=True``)
-        writes ``F.silu`` of each."""
+        ``[N, H, D]``, or ``[M, H, D]`` with ``rows [N]`` naming each new token's row."""
         self._check_live(plan)
         cfg, meta = self.config, plan.metadata
         if not 0 <= layer < cfg.num_layers:
@@ -460,11 +458,10 @@ class KVCacheManager:
                 raise ValueError(f"{name} must be {self.kv_table.dtype}, got {t.dtype}")
             if t.device != self.kv_table.device:
                 raise ValueError(f"{name} must be on {self.kv_table.device}, got {t.device}")
-        extra = {"silu": True} if silu else {}  # (an append_fn of the older form takes no silu)
         if rows is None:
-            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, **extra)
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots)
         else:
-            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, rows, **extra)
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, rows)
 
     # ------------------------------------------------------------------ commit / abort
     def _check_live(self, plan: BatchPlan) -> None:

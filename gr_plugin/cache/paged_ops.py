@@ -43,17 +43,14 @@ def _flat_kv_index(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, t
 
 def append_kv(
     kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-    rows: torch.Tensor | None = None, *, silu: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` ``[N, H, D]`` into ``kv_layer`` ``[num_pages, 2, P, H, D]`` at ``slots`` ``[N]``.
 
     With ``rows`` ``[N]``, token ``i`` is row ``rows[i]`` of ``k``/``v`` (a superset of the new tokens).
-    With ``silu``, ``k``/``v`` are the layer's projection before its SiLU: ``F.silu`` of each is written.
     """
     if rows is not None:
         k, v = k[rows], v[rows]
-    if silu:
-        k, v = torch.nn.functional.silu(k), torch.nn.functional.silu(v)
     num_pages, _, page_size, num_heads, head_dim = kv_layer.shape
     flat = kv_layer.view(num_pages * 2 * page_size, num_heads, head_dim)
     k_rows, v_rows = _flat_kv_index(slots, page_size)

@@ -167,20 +167,19 @@ class CachedStackGraphs:
         self._attend(b, i, self._project(b, i))
 
     def _project(self, b: _Bucket, i: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``i``'s ``u, q, k, v`` before their SiLU (which `_attend`'s ops apply as they read
-        them): what it computes before it touches its pages."""
-        return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None, activate=False)
+        """Layer ``i``'s ``u, q, k, v``: what it computes before it touches its pages."""
+        return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None)
 
     def _attend(self, b: _Bucket, i: int, projected: tuple[torch.Tensor, ...]) -> None:
         """Layer ``i`` from its projection on: append its new K/V, attend over its pages, finish."""
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
         u, q, k, v = projected
-        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"), silu=True)
+        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.max_q, max_history_len=b.hist, num_history_tokens=0,
-                                 norm_gate=layer.norm_gate(u), silu_inputs=True)
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.model.layers, i)
         layer.finish_gated_and_norm(b.ys[i], a, nxt, out=b.ys[i + 1],
                                     normed_out=None if nxt is None else b.normed[i + 1])

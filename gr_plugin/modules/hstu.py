@@ -103,15 +103,10 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(hd, d, device=device)
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None,
-                activate: bool = True) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``; ``normed`` is ``input_norm(x)``
-        when the caller has it (`finish` of the layer before computed it with its residual add).
-        ``activate=False`` returns them before their SiLU, for a cached step whose ops apply it as
-        they read them (``silu_inputs``: the page append, the paged attention and its norm gate), so
-        no SiLU launch runs over the whole projection."""
-        y = self.uvqk(self.input_norm(x) if normed is None else normed)
-        u, v, q, k = (F.silu(y) if activate else y).chunk(4, dim=-1)
+        when the caller has it (`finish` of the layer before computed it with its residual add)."""
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x) if normed is None else normed)).chunk(4, dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
@@ -255,9 +250,9 @@ class HSTURanker(nn.Module):
             )
         x, normed = self._embed(layout), None
         for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x, normed, activate=False)
+            u, q, k, v = layer.project(x, normed)
             gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
-                                 norm_gate=layer.norm_gate(u), silu_inputs=True)
+                                 norm_gate=layer.norm_gate(u))
             x, normed = layer.finish_gated_and_norm(x, gated, next_layer(self.layers, i))
         return self._head(x, layout)
 

@@ -101,21 +101,17 @@ class KVCacheModule(nn.Module):
 
     # ------------------------------------------------------------------ one layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
-                plan: BatchPlan, *, alpha: float, n_norm: float, norm_gate: NormGate | None = None,
-                silu_inputs: bool = False) -> torch.Tensor:
+                plan: BatchPlan, *, alpha: float, n_norm: float, norm_gate: NormGate | None = None) -> torch.Tensor:
         """Cached attention of ``layer``: ``q, k, v [Nq, H, D]`` in ``layout``'s query order
         (per user: new history events, then candidates) -> ``[Nq, H, D]``; with ``norm_gate``
-        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``.
-        ``silu_inputs``: ``q, k, v`` and ``u`` are the projection before its SiLU
-        (`HSTULayer.project` with ``activate=False``), applied by the append and the attention."""
+        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``."""
         self.manager.wait_layer(plan, layer)
-        self.manager.append(layer, k, v, plan, rows=layout.new_rows, silu=silu_inputs)
+        self.manager.append(layer, k, v, plan, rows=layout.new_rows)
         meta = plan.metadata
         return paged_hstu_attention(
             q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
             layout.q_offsets, meta.new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=layout.max_q_len,
             max_history_len=max(meta.max_total_len, 1), num_history_tokens=meta.num_total_tokens, norm_gate=norm_gate,
-            silu_inputs=silu_inputs,
         )
 
     attend = forward

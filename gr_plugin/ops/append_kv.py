@@ -9,13 +9,12 @@ from gr_plugin.cache import paged_ops
 
 
 def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              rows: torch.Tensor | None = None, *, silu: bool = False) -> None:
-    """Write the new tokens' K/V (``F.silu`` of ``k``/``v`` with ``silu``) into their slots."""
+              rows: torch.Tensor | None = None) -> None:
     if kv_layer.is_cuda:
         try:
             from gr_plugin.ops.triton.append_kv import append_kv as tri
         except ImportError:
             tri = None
         if tri is not None:
-            return tri(kv_layer, k, v, slots, rows, silu=silu)
-    return paged_ops.append_kv(kv_layer, k, v, slots, rows, silu=silu)
+            return tri(kv_layer, k, v, slots, rows)
+    return paged_ops.append_kv(kv_layer, k, v, slots, rows)

@@ -13,7 +13,6 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
 from gr_plugin.ops import norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
@@ -61,32 +60,21 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int,
-                         norm_gate: norm.NormGate | None = None, silu_inputs: bool = False) -> torch.Tensor:
+                         norm_gate: norm.NormGate | None = None) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``[Nq, H, D]``; see the reference for the
     semantics. With ``norm_gate`` it returns ``norm.layer_norm_mul(out.flatten(1), *norm_gate)``
     ``[Nq, H*D]`` (to one rounding step, `triton.layer_norm.sum_layer_norm_mul`). Where the Triton
     kernel and the fused norm both serve, a launch split over the keys adds its fp32 parts inside
-    the norm's pass instead of writing the output and reading it back (one kernel fewer).
-
-    ``silu_inputs``: ``q``, ``k``, ``v`` (and ``norm_gate``'s ``u``) are the layer's projection
-    before its SiLU (`HSTULayer.project` with ``activate=False``); the result is the attention of
-    ``F.silu`` of each, which the kernels apply as they read them, so the step runs no SiLU launch
-    over the projection. The pages hold K/V after the SiLU either way (`append_kv`'s ``silu``)."""
+    the norm's pass instead of writing the output and reading it back (one kernel fewer)."""
     triton_attention = _use_triton(q, k, v, kv_layer)
+    impl = _triton_ops() if triton_attention else _ref
     args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
     sizes = dict(alpha=alpha, n_norm=n_norm, max_q_len=max_q_len, max_history_len=max_history_len,
                  num_history_tokens=num_history_tokens)
-    if triton_attention:
-        impl = _triton_ops()
-        sizes["silu_inputs"] = silu_inputs
-    else:
-        impl = _ref
-        if silu_inputs:
-            args = (F.silu(q), F.silu(k), F.silu(v), *args[3:])
     if norm_gate is None:
         return impl.paged_hstu_attention(*args, **sizes)
     weight, bias, eps, u = norm_gate
     if triton_attention and norm.takes_kernel(q, weight, bias, u) and u.shape == (q.shape[0], q.shape[1] * q.shape[2]):
         return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate))
     out = impl.paged_hstu_attention(*args, **sizes)
-    return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_inputs)
+    return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)

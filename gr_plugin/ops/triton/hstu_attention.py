@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from gr_plugin.ops.triton import layer_norm, table_layout
-from gr_plugin.ops.triton.activation import silu, silu_tanh
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -126,36 +125,16 @@ def _key_blocks(q_offsets, hist_lens, new_lens, b, m0, BLOCK_M: tl.constexpr, BL
     return q_len, _block_count(q_len, hist, new, m0, BLOCK_M, BLOCK_N)
 
 
-_SILU_ROWS = tl.constexpr(16)  # rows of a tile `_stage_silu` takes at a time
-
-
 @triton.jit
-def _stage_silu(X, stride_xt, stride_xh, S, stride_st, q_start, m0, lo, q_len, h, LIBDEVICE: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``SiLU`` of head ``h`` of the query rows ``[m0, m0 + BLOCK_M)`` of a user (those in ``[lo,
-    q_len)``) of ``X`` into the scratch ``S`` (rows of ``stride_st``), `_SILU_ROWS` rows at a time."""
-    d = tl.arange(0, HEAD_DIM)
-    for c in tl.static_range(0, BLOCK_M, _SILU_ROWS):
-        r = m0 + c + tl.arange(0, _SILU_ROWS)
-        ok = ((r < q_len) & (r >= lo))[:, None]
-        rr = (q_start + r).to(tl.int64)[:, None]
-        x = tl.load(X + rr * stride_xt + h * stride_xh + d[None, :], mask=ok, other=0.0)
-        tl.store(S + rr * stride_st + h * HEAD_DIM + d[None, :], silu(x, LIBDEVICE), mask=ok)
-
-
-@triton.jit
-def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-          SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
     (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
-    ``kv_indices`` (paged form), which the caller loads. ``SILU`` (paged form): ``Q``, ``K`` and
-    ``V`` hold the projection before its SiLU, applied here as they are read (`activation.silu`);
-    the pages hold K/V after it.
+    ``kv_indices`` (paged form), which the caller loads.
 
     NOTE: the caller computes where the rows go itself. Inductor's analysis of which arguments a
     kernel writes (a traced launch, AOTInductor) follows a store's address back through its ops, and
@@ -169,18 +148,7 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
     row_ok = rows < q_len
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
-    # the rows' place in the SiLU's scratch QS ([3, Nq, H, D] contiguous: q, k, v)
-    s_offs = q_rows[:, None] * stride_st + h * HEAD_DIM + d[None, :]
-    if SILU >= 2:
-        _stage_silu(Q, stride_qt, stride_qh, QS, stride_st, q_start, m0, 0, q_len, h, LIBDEVICE, HEAD_DIM, BLOCK_M)
-        tl.debug_barrier()
-        q = tl.load(QS + s_offs, mask=row_ok[:, None], other=0.0)
-    else:
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-        if SILU == 1:
-            q = silu(q, LIBDEVICE)
-        elif SILU == 4:
-            q = silu_tanh(q)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -213,23 +181,8 @@ def _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer
     # ~90 at bs 8); as this block, ~2 us (about 1.5 key blocks), in a tile's first program only.
     if first & _holds_candidates(q_len, new, m0, BLOCK_M):
         cand = row_ok & (rows >= new)
-        if SILU == 3:
-            _stage_silu(K, stride_kt, stride_kh, QS + plane_s, stride_st, q_start, m0, new, q_len, h, LIBDEVICE,
-                        HEAD_DIM, BLOCK_M)
-            _stage_silu(V, stride_vt, stride_vh, QS + 2 * plane_s, stride_st, q_start, m0, new, q_len, h, LIBDEVICE,
-                        HEAD_DIM, BLOCK_M)
-            tl.debug_barrier()
-            k_own = tl.load(QS + plane_s + s_offs, mask=cand[:, None], other=0.0)
-            v_own = tl.load(QS + 2 * plane_s + s_offs, mask=cand[:, None], other=0.0)
-        else:
-            k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
-            v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-            if SILU == 4:
-                k_own = silu_tanh(k_own)
-                v_own = silu_tanh(v_own)
-            elif SILU:
-                k_own = silu(k_own, LIBDEVICE)
-                v_own = silu(v_own, LIBDEVICE)
+        k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
+        v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
         acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
     return acc
@@ -259,7 +212,7 @@ def _stream_tiles(q_offsets, hist_lens, new_lens, bsz, m_blocks, heads,
 
 @triton.jit
 def _hstu_fwd(
-    Q, K, V, QS, stride_st, plane_s, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
+    Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, Part, Done,
     bsz, m_blocks, heads, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
     stride_pp, stride_pkv, stride_pt, stride_ph,
@@ -267,7 +220,7 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
-    REVERSED: tl.constexpr, SILU: tl.constexpr, LIBDEVICE: tl.constexpr,
+    REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
@@ -289,11 +242,11 @@ def _hstu_fwd(
         # NOTE: split 0 also adds the candidates' own keys (`_tile`), about 1.5 key blocks' time at bs 1
         # on the H200, and the floor split gives it the smallest share of key blocks. Giving it one
         # block fewer was measured (docs/BENCHMARKS.md): no gain at bs 1, 4% slower at head_dim 256, bs 2.
-        acc = _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
+        acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h, m0,
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU, LIBDEVICE)
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
@@ -334,11 +287,11 @@ def _hstu_fwd(
             te = ts + n_units
             e = tl.minimum(u_hi, te)
             page_base = tl.load(kv_indptr + b).to(tl.int64) if PAGED else 0
-            acc = _tile(Q, K, V, QS, stride_st, plane_s, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h,
+            acc = _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_lens, new_lens, b, h,
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU, LIBDEVICE)
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
             q_start = tl.load(q_offsets + b).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -666,8 +619,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True,
-            silu_inputs=False, silu_mode=2):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -676,12 +628,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
-    count the one-wave rule's. ``silu_inputs`` (paged form): ``q``, ``k``, ``v`` and the norm gate's
-    ``u`` are the projection before its SiLU, which the kernels apply as they read them (the pages
-    hold K/V after it)."""
+    count the one-wave rule's."""
     nq, heads, dim = q.shape
-    if silu_inputs and not paged:
-        raise ValueError("silu_inputs applies to the paged form (its history K/V come from pages), not the jagged one")
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     if norm_gate is not None:
@@ -710,7 +658,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
-        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate, silu_inputs)
+        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate)
     if num_splits == 1:
         out = target = torch.empty_like(q)
     else:
@@ -738,7 +686,6 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim])
-    scratch = q.new_empty((3, *q.shape)) if silu_inputs else q.new_empty((1, 0, heads, dim))
     if stream:
         part = torch.empty(programs, 2, block_m, dim, dtype=torch.float32, device=q.device)
         done = torch.zeros(bsz * heads * m_blocks, dtype=torch.int32, device=q.device)
@@ -747,25 +694,24 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         part, done = target, q_offsets
         grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
     _hstu_fwd[grid](
-        q, k, v, scratch, scratch.stride(-3), scratch[0].numel(), target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
+        q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
         target.stride(-3), target.stride(-2),
         *strides, float(alpha), 1.0 / float(n_norm),
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-        REVERSED=bool(reversed_programs) and stream, SILU=silu_mode if silu_inputs else 0, LIBDEVICE=q.is_cuda,
+        REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         if norm_gate is not None:
             weight, bias, eps, u = norm_gate
-            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype,
-                                                 silu_u=silu_inputs)
+            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype)
         n = out.numel()
         _sum_parts[(_cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
                                             BLOCK=_SUM_BLOCK)
-    return _gated(out, norm_gate, silu_inputs)
+    return _gated(out, norm_gate)
 
 
 def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:
@@ -781,11 +727,11 @@ def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:
             raise ValueError(f"norm_gate's {name} must be [{n}] on {q.device}, got {tuple(t.shape)} on {t.device}")
 
 
-def _gated(out: torch.Tensor, norm_gate, silu_u: bool = False) -> torch.Tensor:
+def _gated(out: torch.Tensor, norm_gate) -> torch.Tensor:
     if norm_gate is None:
         return out
     weight, bias, eps, u = norm_gate
-    return layer_norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_u)
+    return layer_norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u)
 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,

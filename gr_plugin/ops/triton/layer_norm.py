@@ -14,9 +14,7 @@ norm-gate epilogue the split attention launch calls (`hstu_attention._launch`):
   outputs land one rounding step apart; rows of 512 and 256 gave equal bits, not a guarantee).
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
-The two gated forms take ``silu_u``: ``u`` is the projection before its SiLU, applied as it is read
-(`activation.silu`, torch's bits). All three run under ``TRITON_INTERPRET=1`` on CPU tensors, which
-the CPU tests use.
+All three run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton.activation import silu
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -41,43 +38,33 @@ def _layer_norm_row(x, ok, W, B, c, eps, N: tl.constexpr):
 
 
 @triton.jit
-def _gate_row(U, row, stride_u, c, ok, SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """One row of the gate ``u`` in fp32, its SiLU applied first with ``SILU``."""
-    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0)
-    if SILU:
-        u = silu(u, LIBDEVICE)
-    return u.to(tl.float32)
-
-
-@triton.jit
-def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-            SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
     a = tl.load(A + row * stride_a + c, mask=ok, other=0.0).to(tl.float32)
-    u = _gate_row(U, row, stride_u, c, ok, SILU, LIBDEVICE)
+    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
 
 def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                   u: torch.Tensor, silu_u: bool = False) -> torch.Tensor:
-    """``LayerNorm(a; weight, bias, eps) * u`` (``* SiLU(u)`` with ``silu_u``) for ``a, u [M, N]``
-    (rows may be strided, columns contiguous); a new contiguous ``[M, N]`` tensor of ``a``'s dtype."""
+                   u: torch.Tensor) -> torch.Tensor:
+    """``LayerNorm(a; weight, bias, eps) * u`` for ``a, u [M, N]`` (rows may be strided, columns
+    contiguous); a new contiguous ``[M, N]`` tensor of ``a``'s dtype."""
     m, n = a.shape
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return out
     block = triton.next_power_of_2(n)
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
-                  SILU=bool(silu_u), LIBDEVICE=u.is_cuda, num_warps=4 if block <= 1024 else 8)
+                  num_warps=4 if block <= 1024 else 8)
     return out
 
 
 @triton.jit
 def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
-                BLOCK: tl.constexpr, SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
+                BLOCK: tl.constexpr):
     """One row: the parts' sum in split order (`sum_splits`), rounded to ``Out``'s dtype, its norm
     times the row of ``U``."""
     row = tl.program_id(0).to(tl.int64)
@@ -87,18 +74,16 @@ def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, st
     live = ok & (row < tl.load(q_offsets + bsz).to(tl.int64))
     acc = sum_splits(Part + row * N + c, live, splits, n_part)
     a = acc.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the attention's output is
-    u = _gate_row(U, row, stride_u, c, ok, SILU, LIBDEVICE)
+    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
 
 def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, weight: torch.Tensor,
-                       bias: torch.Tensor, eps: float, u: torch.Tensor, dtype: torch.dtype,
-                       silu_u: bool = False) -> torch.Tensor:
+                       bias: torch.Tensor, eps: float, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``LayerNorm(a; weight, bias, eps) * u`` with ``a`` = the sum over splits of ``parts [S, M, ...]``
     (fp32, contiguous, each row ``N`` = ``u``'s columns; rows at or past ``q_offsets[bsz]`` count as
-    0) rounded to ``dtype``; a new contiguous ``[M, N]`` tensor of ``dtype``. ``silu_u`` as for
-    `layer_norm_mul`."""
+    0) rounded to ``dtype``; a new contiguous ``[M, N]`` tensor of ``dtype``."""
     splits, m = parts.shape[0], parts.shape[1]
     n = u.shape[1]
     out = torch.empty((m, n), dtype=dtype, device=u.device)
@@ -106,8 +91,7 @@ def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, w
         return out
     block = triton.next_power_of_2(n)
     _sum_ln_mul[(m,)](parts, u, weight, bias, out, q_offsets, bsz, parts[0].numel(), splits, u.stride(0),
-                      out.stride(0), float(eps), N=n, BLOCK=block, SILU=bool(silu_u), LIBDEVICE=u.is_cuda,
-                      num_warps=4 if block <= 1024 else 8)
+                      out.stride(0), float(eps), N=n, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
 
 
