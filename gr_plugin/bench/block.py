@@ -146,17 +146,19 @@ class Block:
         qlen = [new + cands] * bs
         x = torch.randn(sum(qlen), c.embedding_dim, device=self.device, dtype=self.dtype)
         q_off = _offsets(qlen, self.device)
+        rows = torch.cat([torch.arange(int(q_off[b]), int(q_off[b]) + new, device=self.device) for b in range(bs)])
         table = self.cache.kv_table
+        slots = meta.new_token_slots  # derived once, on the device
 
         def run():
             y, normed = x, None
             for i, layer in enumerate(self.layers):
                 u, q, k, v = layer.project(y, normed)
+                self.cache.append_fn(table[i], k, v, slots, rows)
                 a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
                                          q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
                                          max_q_len=new + cands, max_history_len=meta.max_total_len,
-                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u),
-                                         append=True)
+                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u))
                 y, normed = layer.finish_gated_and_norm(y, a, next_layer(self.layers, i))
             return y
 
@@ -227,11 +229,12 @@ class StaticStep:
     def _attend(self, i: int, projected) -> None:
         layer, table = self.blk.layers[i], self.blk.cache.kv_table
         u, q, k, v = projected
+        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
         st = self.static
         a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
                                  st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
                                  max_history_len=self.max_hist, num_history_tokens=self.num_hist,
-                                 norm_gate=layer.norm_gate(u), append=True)
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.blk.layers, i)
         layer.finish_gated_and_norm(self.ys[i], a, nxt, out=self.ys[i + 1],
                                     normed_out=None if nxt is None else self.normed[i + 1])

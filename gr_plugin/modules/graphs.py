@@ -175,10 +175,11 @@ class CachedStackGraphs:
         layer = self.model.layers[i]
         table = self.cache.kv_table[i]
         u, q, k, v = projected
+        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
         a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
                                  b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
                                  max_q_len=b.max_q, max_history_len=b.hist, num_history_tokens=0,
-                                 norm_gate=layer.norm_gate(u), append=True)
+                                 norm_gate=layer.norm_gate(u))
         nxt = next_layer(self.model.layers, i)
         layer.finish_gated_and_norm(b.ys[i], a, nxt, out=b.ys[i + 1],
                                     normed_out=None if nxt is None else b.normed[i + 1])

@@ -104,16 +104,14 @@ class KVCacheModule(nn.Module):
                 plan: BatchPlan, *, alpha: float, n_norm: float, norm_gate: NormGate | None = None) -> torch.Tensor:
         """Cached attention of ``layer``: ``q, k, v [Nq, H, D]`` in ``layout``'s query order
         (per user: new history events, then candidates) -> ``[Nq, H, D]``; with ``norm_gate``
-        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``. The
-        attention op writes the new history K/V into the plan's pages itself (``append=True``)."""
+        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``."""
         self.manager.wait_layer(plan, layer)
-        self.manager.check_append(layer, k, v, plan, rows=layout.new_rows)
+        self.manager.append(layer, k, v, plan, rows=layout.new_rows)
         meta = plan.metadata
         return paged_hstu_attention(
             q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
             layout.q_offsets, meta.new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=layout.max_q_len,
             max_history_len=max(meta.max_total_len, 1), num_history_tokens=meta.num_total_tokens, norm_gate=norm_gate,
-            append=True,
         )
 
     attend = forward

@@ -14,7 +14,6 @@ import os
 
 import torch
 
-from gr_plugin.cache import paged_ops
 from gr_plugin.ops import norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
 
@@ -57,44 +56,21 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                                       max_seq_len=max_seq_len)
 
 
-def _append_new_tokens(k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths) -> None:
-    """`paged_ops.append_kv` of each user's new tokens (its first ``new_lengths`` query rows) into
-    the slots of history positions ``history_lengths - new_lengths`` on (one host sync: the count)."""
-    lens = new_lengths.to(torch.int64)
-    n = int(lens.sum())
-    batch = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=n)
-    j = torch.arange(n, device=lens.device) - (torch.cumsum(lens, 0) - lens)[batch]
-    pos = (history_lengths.to(torch.int64) - lens)[batch] + j
-    page_size = kv_layer.shape[-3]
-    page_of = torch.div(pos, page_size, rounding_mode="floor")
-    slots = kv_indices[kv_indptr[:-1][batch] + page_of] * page_size + (pos - page_of * page_size)
-    paged_ops.append_kv(kv_layer, k, v, slots, q_offsets[:-1][batch] + j)
-
-
 def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int,
-                         norm_gate: norm.NormGate | None = None, append: bool = False) -> torch.Tensor:
+                         norm_gate: norm.NormGate | None = None) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``[Nq, H, D]``; see the reference for the
     semantics. With ``norm_gate`` it returns ``norm.layer_norm_mul(out.flatten(1), *norm_gate)``
     ``[Nq, H*D]`` (to one rounding step, `triton.layer_norm.sum_layer_norm_mul`). Where the Triton
     kernel and the fused norm both serve, a launch split over the keys adds its fp32 parts inside
-    the norm's pass instead of writing the output and reading it back (one kernel fewer).
-
-    ``append``: the new history tokens' K/V (each user's first ``new_lengths`` query rows of ``k``,
-    ``v``) are not in the pages yet. The op writes them into their page slots (positions
-    ``history_lengths - new_lengths`` on of the user's pages in ``kv_indices``), as `append_kv`
-    would before it; the Triton kernel does it within its own launch."""
+    the norm's pass instead of writing the output and reading it back (one kernel fewer)."""
     triton_attention = _use_triton(q, k, v, kv_layer)
     impl = _triton_ops() if triton_attention else _ref
     args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
     sizes = dict(alpha=alpha, n_norm=n_norm, max_q_len=max_q_len, max_history_len=max_history_len,
                  num_history_tokens=num_history_tokens)
-    if append and triton_attention:
-        sizes["append"] = True
-    elif append:
-        _append_new_tokens(k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
     if norm_gate is None:
         return impl.paged_hstu_attention(*args, **sizes)
     weight, bias, eps, u = norm_gate

@@ -70,33 +70,6 @@ def _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_
 
 
 @triton.jit
-def _load_new_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, cached, owner, h, d, stride_kt,
-                 stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`_load_kv`'s masked paged block for a launch that appends (``APPEND``): the positions from
-    ``cached`` on (the step's new tokens, the first rows of the user's query segment in ``K``/``V``)
-    are not in the pages yet, so they are read from ``K``/``V``, and the ``owner`` (one program per
-    user, head and key block: a program of the user's last query tile) writes them into their page
-    slots. No program reads a page slot at or past ``cached``, so the writes race with no read."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < kv_hi
-    is_new = cols >= cached
-    page = tl.load(kv_indices + page_base + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64) + layer_pages
-    slot = (page * stride_pp + (cols % PAGE_SIZE).to(tl.int64) * stride_pt + h * stride_ph)[:, None] + d[None, :]
-    old = (col_ok & ~is_new)[:, None]
-    new = (col_ok & is_new)[:, None]
-    rows = (q_start + cols - cached).to(tl.int64)[:, None]
-    k_new = tl.load(K + rows * stride_kt + h * stride_kh + d[None, :], mask=new, other=0.0)
-    v_new = tl.load(V + rows * stride_vt + h * stride_vh + d[None, :], mask=new, other=0.0)
-    if owner:
-        tl.store(KV + slot, k_new, mask=new)
-        tl.store(KV + stride_pkv + slot, v_new, mask=new)
-    k = tl.load(KV + slot, mask=old, other=0.0)
-    v = tl.load(KV + stride_pkv + slot, mask=old, other=0.0)
-    return tl.where(new, k_new, k), tl.where(new, v_new, v)
-
-
-@triton.jit
 def _weights(q, k, alpha, IEEE: tl.constexpr, FAST: tl.constexpr):
     """``SiLU(alpha q k^T)`` of a query block and a key block, in fp32; the ``1 / n_norm`` is applied
     once to the accumulated output instead (one multiply per output element, not per weight). The
@@ -157,8 +130,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-          APPEND: tl.constexpr):
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
     (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
@@ -188,9 +160,6 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     # NOTE: key blocks that every query of this block may see need no mask: run them first.
     q_min = tl.min(tl.where(row_ok, qpos, hist), axis=0)
     full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ((q_min + 1) // BLOCK_N) * BLOCK_N))
-    if APPEND:  # blocks holding new tokens take the masked loop, which reads those from K/V (`_load_new_kv`)
-        full_hi = tl.maximum(kv_lo, tl.minimum(full_hi, ((hist - new) // BLOCK_N) * BLOCK_N))
-        owner = m0 + BLOCK_M >= q_len  # the user's last query tile: its key range is the whole history
     for n0 in tl.range(kv_lo, full_hi, BLOCK_N, warp_specialize=WS):
         k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
                         stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
@@ -199,14 +168,9 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
-        if APPEND:
-            k, v = _load_new_kv(K, V, KV, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, hist - new, owner,
-                                h, d, stride_kt, stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt,
-                                stride_ph, PAGE_SIZE, BLOCK_N)
-        else:
-            k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
-                            PAGE_SIZE, PAGED, BLOCK_N, True, TMA, HEAD_DIM)
+        k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
+                        stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                        PAGE_SIZE, PAGED, BLOCK_N, True, TMA, HEAD_DIM)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
         acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, IEEE, FAST), 0.0), v, IEEE)
     # A candidate also sees itself, added once, by the program taking the tile's first part, and only
@@ -256,7 +220,7 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
-    REVERSED: tl.constexpr, APPEND: tl.constexpr,
+    REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
@@ -282,7 +246,7 @@ def _hstu_fwd(
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, APPEND)
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
@@ -327,7 +291,7 @@ def _hstu_fwd(
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, APPEND)
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
             q_start = tl.load(q_offsets + b).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -655,8 +619,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True,
-            append=False):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -665,13 +628,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
-    count the one-wave rule's. ``append`` (paged form): the new history tokens (each user's first
-    ``new_lens`` query rows of ``k``/``v``) are not in the pages yet; the launch reads them from
-    ``k``/``v`` and writes them into their page slots (positions ``hist - new`` on of the user's
-    pages), instead of a separate append launch before it."""
+    count the one-wave rule's."""
     nq, heads, dim = q.shape
-    if append and not paged:
-        raise ValueError("append applies to the paged form (it writes the new tokens into pages)")
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     if norm_gate is not None:
@@ -743,7 +701,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
         WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-        REVERSED=bool(reversed_programs) and stream, APPEND=bool(append),
+        REVERSED=bool(reversed_programs) and stream,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
