@@ -107,11 +107,11 @@ def runtime() -> Runtime | None:
 def page_layout(table: torch.Tensor) -> tuple[int, int, int] | None:
     """``(address, bytes per layer, bytes per page)`` of a table ``[L, num_pages, ...]`` whose pages
     are contiguous and follow each other in each layer (so a run of pages of one layer is one byte
-    range), else None."""
+    range), and whose layers do not overlap (a layer's stride covers its pages), else None."""
     if table.dim() < 3 or table.shape[0] == 0 or table.shape[1] == 0 or not table[0, 0].is_contiguous():
         return None
     page = table[0, 0].numel()
-    if table.stride(1) != page:
+    if table.stride(1) != page or (table.shape[0] > 1 and table.stride(0) < table.shape[1] * page):
         return None
     size = table.element_size()
     return table.data_ptr(), table.stride(0) * size, page * size
