@@ -60,6 +60,7 @@ def test_raw_copies_need_a_cuda_runtime_and_whole_page_runs():
     # layers a layer's stride apart that do not hold its pages (they would overlap): no raw layout
     overlapping = table.view(-1)[: 7 * 128].as_strided((3, 5, 2, 4, 2, 8), (128, 128, 64, 16, 8, 1))
     assert cudart.page_layout(overlapping) is None
+    assert cudart.page_layout(table[:1].expand(3, -1, -1, -1, -1, -1)) is None  # every layer the same memory
     one_layer = table[:1].as_strided((1, 5, 2, 4, 2, 8), (1, 128, 64, 16, 8, 1))  # (a lone layer's stride is moot)
     assert cudart.page_layout(one_layer) == (table.data_ptr(), 4, 128 * 4)
     if not torch.cuda.is_available():
