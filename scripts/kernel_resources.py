@@ -1,23 +1,30 @@
-"""Registers and spills of the paged attention kernel's launches, compiled for the H200 here, without a GPU.
+"""Registers and local memory (spills) of the paged attention kernel's launches, compiled for the H200
+here, without a GPU.
 
 python scripts/kernel_resources.py [--module PATH] [--launch KEY=VALUE ...] [--cases DIM,PAGE,BS ...]
 
 Triton compiles for a target it is given (sm_90, with the ptxas its wheel bundles), so what a kernel
-change does to the compiled form (registers, spills, shared memory) can be read before spending device
-time. This script runs `gr_plugin.ops.triton.hstu_attention.paged_hstu_attention` on CPU tensors of the
-block's shapes (hidden 1024, 4 heads; head_dim 128 / page 128 and 256 / page 32; a 4096 history, 3968
-cached, 128 new + 256 candidates per user; bs 1 and 8) with the H200's SM count and shared memory, takes
-the arguments its launch passes to the kernel (eager, and with the TMA loads a graphed launch takes),
-specialises them as Triton's launcher does, compiles for sm_90 and prints ptxas' resource line.
+change does to the compiled form can be read before spending device time. This script runs
+`gr_plugin.ops.triton.hstu_attention.paged_hstu_attention` on CPU tensors of the block's shapes
+(hidden 1024, 4 heads; head_dim 128 / page 128 and 256 / page 32; a 4096 history, 128 new + 256
+candidates per user; bs 1 and 8) with the H200's SM count and shared memory, takes the arguments
+its launch passes to the kernel, eagerly and as a launch captured into a CUDA graph takes them (TMA
+loads where `_use_tma` allows them: not for head_dim 256's 64-key blocks on 32-token pages),
+specialises them as Triton's launcher does and compiles for sm_90. It prints the cubin's registers
+and local memory (``cuobjdump --dump-resource-usage``: ``REG`` and ``STACK``; the H200's
+``n_spills`` in Triton is ``STACK / 4``).
 
-``--module PATH``: the kernel module from another file (e.g. ``git show <commit>:gr_plugin/ops/triton/
-hstu_attention.py > /tmp/k.py``), to compare a variant with the package's; ``--launch KEY=VALUE``: extra
-launch arguments (ints or True/False), e.g. ``append=True`` where that module takes it; ``--cases``:
-which of the shapes (default all four).
+``--module PATH``: the kernel module from another file (e.g. ``git show <commit>:gr_plugin/ops/
+triton/hstu_attention.py > /tmp/k.py``; the helpers it imports come from this tree), to compare a
+variant with the package's; ``--launch KEY=VALUE``: extra launch arguments (an int, True/False, or
+a string), e.g. ``append=True`` where that module takes it.
 
-Checked against the H200 (docs/BENCHMARKS.md, the block section, 2026-12-01 from 13:02): the
-package's kernel compiled there to 204 and 230 registers with no spills at head_dim 128, 236 at head_dim
-256, bs 1, and 255 with 14 and 90 spills at head_dim 256, bs 8.
+Approximations: the index tensors are fresh CPU tensors (16-byte aligned); a graph bucket packs its
+index fields into one buffer, where ``kv_indptr`` may start unaligned (one scalar load; the
+registers matched the H200's either way). ``LIBDEVICE``-style constexprs that a variant derives
+from ``q.is_cuda`` take their CPU value. It uses Triton's private launcher helpers
+(``create_function_from_signature``, ``JITFunction._pack_args``), so a Triton upgrade may need it
+updated. Checked against the H200 (docs/BENCHMARKS.md, the block section, 2026-12-01 from 13:02).
 """
 
 from __future__ import annotations
@@ -55,8 +62,8 @@ def load(path: str | None):
     return mod
 
 
-def captured_launch(mod, dim: int, page: int, bs: int, tma: bool, extra: dict):
-    """``(args, kwargs)`` the launch passes to ``mod._hstu_fwd``, on CPU tensors of the block's shapes."""
+def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dict):
+    """``(kernel, (args, kwargs))`` of the launch ``mod`` makes at these shapes, on CPU tensors."""
     qlen = NEW + CANDS
     nq = bs * qlen
     pages_per_user = -(-HIST // page)
@@ -77,16 +84,22 @@ def captured_launch(mod, dim: int, page: int, bs: int, tma: bool, extra: dict):
         def __getitem__(self, grid):
             return lambda *a, **kw: self.into.append((a, kw))
 
-    saved = {n: getattr(mod, n) for n in ("_hstu_fwd", "_sum_parts", "_shared_memory", "_num_sms")}
+    def use_tma(t, page_size, block_n):  # `_use_tma` as on the H200, capturing (graphed) or not
+        return graphed and mod.TMA and page_size % block_n == 0 and t.dtype.itemsize == 2 and t.is_contiguous()
+
+    names = ("_hstu_fwd", "_sum_parts", "_shared_memory", "_num_sms", "_use_tma")
+    saved = {n: getattr(mod, n) for n in names}
     mod._hstu_fwd, mod._sum_parts = Capture(seen), Capture([])  # (the parts' sum is not compiled here)
-    mod._shared_memory, mod._num_sms = (lambda device: H200_SHARED), (lambda device: H200_SMS)
+    mod._shared_memory, mod._num_sms, mod._use_tma = (lambda d: H200_SHARED), (lambda d: H200_SMS), use_tma
     try:
+        launch = {"fast": True, **extra}  # (the H200's default SiLU; --launch may override it)
         mod.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, hist, q_offsets, new, alpha=0.1, n_norm=4096.0,
-                                 max_q_len=qlen, max_history_len=HIST, num_history_tokens=bs * HIST, fast=True,
-                                 tma=tma, **extra)
+                                 max_q_len=qlen, max_history_len=HIST, num_history_tokens=bs * HIST, **launch)
     finally:
         for n, f in saved.items():
             setattr(mod, n, f)
+    if not seen:
+        raise RuntimeError("the launch did not reach the module's _hstu_fwd (a reference fallback?)")
     return saved["_hstu_fwd"], seen[0]
 
 
@@ -99,21 +112,36 @@ def compile_for_h200(fn, args, kwargs):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
-def ptxas_line(kernel) -> str:
-    """ptxas' resource line for the kernel's PTX (the flags Triton passes, with -v)."""
+def resources(kernel) -> tuple[int, int]:
+    """``(registers, local memory bytes)`` of the compiled cubin (``cuobjdump``: ``REG``, ``STACK``)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(TARGET.arch).path), "cuobjdump")
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([get_ptxas(TARGET.arch).path, "-lineinfo", "-v", "--gpu-name=sm_90a", src, "-o",
-                              os.path.join(d, "k.o")], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (f"{regs.group(1) if regs else '?'} registers, spill stores/loads "
-            f"{spills.group(1) if spills else '?'}/{spills.group(2) if spills else '?'} bytes")
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True, check=True)
+    regs, stack = re.search(r"REG:(\d+)", out.stdout), re.search(r"STACK:(\d+)", out.stdout)
+    if regs is None or stack is None:
+        raise RuntimeError(f"no REG / STACK in cuobjdump's output:\n{out.stdout}")
+    return int(regs.group(1)), int(stack.group(1))
+
+
+def parse_launch(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--launch takes KEY=VALUE, got {item!r}")
+        if value in ("True", "False"):
+            out[key] = value == "True"
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                out[key] = value
+    return out
 
 
 def main() -> None:
@@ -122,20 +150,17 @@ def main() -> None:
     p.add_argument("--launch", nargs="*", default=[])
     p.add_argument("--cases", nargs="*", default=[",".join(map(str, c)) for c in CASES])
     a = p.parse_args()
-    extra = {}
-    for item in a.launch:
-        key, value = item.split("=", 1)
-        extra[key] = {"True": True, "False": False}.get(value, value)
-        if isinstance(extra[key], str):
-            extra[key] = int(value)
+    extra = parse_launch(a.launch)
     mod = load(a.module)
     for dim, page, bs in (tuple(int(x) for x in c.split(",")) for c in a.cases):
-        for tma in (False, True):
-            fn, (args, kwargs) = captured_launch(mod, dim, page, bs, tma, extra)
-            kernel = compile_for_h200(fn, args, kwargs)
+        for graphed in (False, True):
+            fn, (args, kwargs) = captured_launch(mod, dim, page, bs, graphed, extra)
+            regs, stack = resources(compile_for_h200(fn, args, kwargs))
             tiles = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps"), kwargs.get("num_stages"))
-            print(f"head_dim {dim} page {page} bs {bs} {'TMA  ' if tma else 'eager'} tiles {tiles} "
-                  f"splits {args[fn.arg_names.index('splits')]}: {ptxas_line(kernel)}", flush=True)
+            splits = args[fn.arg_names.index("splits")] if "splits" in fn.arg_names else "?"
+            form = ("graphed, TMA" if kwargs.get("TMA") else "graphed") if graphed else "eager"
+            print(f"head_dim {dim} page {page} bs {bs} {form}: tiles {tiles} splits {splits}: "
+                  f"{regs} registers, {stack} bytes of local memory", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The paged attention kernel as compiled for the H200 (sm_90), read here without a GPU
-(`scripts/kernel_resources.py`): at the block's head_dim 128 and head_dim 256 / bs 1 launches it must
-not spill. On the H200 two kernel changes that spilled, or rose to the register limit, ran 5-100%
-slower (docs/BENCHMARKS.md, the block section, 2026-12-01 from 13:02); head_dim 256 at bs 8 (64x32
-tiles) already spills and is not pinned here."""
+(`scripts/kernel_resources.py`). On the H200 two kernel changes ran 5-100% slower (docs/BENCHMARKS.md,
+the block section, 2026-12-01 from 13:02): one spilled; the other compiled to 245-251 registers
+without spills, against the package's 204 / 230 (head_dim 128, eager / graphed) and 236 (head_dim
+256, bs 1). So at those launches the kernel must compile without local memory and at most 240 / 244
+registers. head_dim 256 at bs 8 (64x32 tiles) already spills (56-360 bytes) and is not pinned here.
+head_dim 128 at bs 1 and 8 compile to the same kernel today; both are kept in case their tiles part."""
 
 import os
 import re
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+BUDGET = {128: 240, 256: 244}  # registers, by head_dim
 
 
 def test_attention_compiles_for_the_h200_without_spills():
@@ -22,13 +25,17 @@ def test_attention_compiles_for_the_h200_without_spills():
         get_ptxas(90)
     except Exception as exc:  # pragma: no cover - a triton without its CUDA backend or ptxas
         pytest.skip(f"no ptxas for sm_90 here: {exc}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (settings that change the launch or the compiled code stay out; the cache may stay)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TRITON_", "GR_PLUGIN_")) or k in ("TRITON_CACHE_DIR", "TRITON_HOME")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_resources.py"), "--cases", "128,128,1",
-                          "128,128,8", "256,32,1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          "128,128,8", "256,32,1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("head_dim")]
-    assert len(lines) == 6, out.stdout  # three shapes, eager and TMA
+    assert len(lines) == 6, out.stdout  # three shapes, eager and graphed
     for line in lines:
-        m = re.search(r"(\d+) registers, spill stores/loads (\d+)/(\d+) bytes", line)
+        m = re.match(r"head_dim (\d+) .*: (\d+) registers, (\d+) bytes of local memory", line)
         assert m, line
-        assert int(m.group(1)) <= 255 and m.group(2) == m.group(3) == "0", line
+        dim, regs, local = (int(g) for g in m.groups())
+        assert local == 0 and regs <= BUDGET[dim], line
