@@ -16,8 +16,9 @@ and local memory (``cuobjdump --dump-resource-usage``: ``REG`` and ``STACK``; th
 
 ``--module PATH``: the kernel module from another file (e.g. ``git show <commit>:gr_plugin/ops/
 triton/hstu_attention.py > /tmp/k.py``; the helpers it imports come from this tree), to compare a
-variant with the package's; ``--launch KEY=VALUE``: extra launch arguments (an int, True/False, or
-a string), e.g. ``append=True`` where that module takes it.
+variant with the package's; ``--launch KEY=VALUE``: extra launch arguments (an int, True/False, a
+tuple of ints, or a string), e.g. ``append=True`` where that module takes it, or
+``blocks=64,64,8,2`` (the tiles: BLOCK_M, BLOCK_N, warps, stages).
 
 Approximations: the index tensors are fresh CPU tensors (16-byte aligned); a graph bucket packs its
 index fields into one buffer, where ``kv_indptr`` may start unaligned (one scalar load; the
@@ -136,6 +137,8 @@ def parse_launch(items: list[str]) -> dict:
             raise SystemExit(f"--launch takes KEY=VALUE, got {item!r}")
         if value in ("True", "False"):
             out[key] = value == "True"
+        elif "," in value:  # a tuple of ints, e.g. blocks=64,64,8,2
+            out[key] = tuple(int(x) for x in value.split(","))
         else:
             try:
                 out[key] = int(value)

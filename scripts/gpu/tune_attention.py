@@ -222,8 +222,10 @@ if MAIN and "bucket" in sys.argv[1:]:
             print(f"   {ms:.4f} ms  {flops / ms / 1e9:.0f} TFLOP/s  {label}  (max diff vs 1 split {diff:.2e})")
     sys.exit(0)
 
+# (64, 64, 8, 2) at head_dim 128: added 2026-12-01 untimed; offline it compiles to 144 / 154 registers
+# against 204 / 230 with 4 warps (scripts/kernel_resources.py, docs/BENCHMARKS.md)
 SMALL_CONFIGS = {128: [(128, 128, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
-                       (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+                       (64, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
                  256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
                        (32, 64, 4, 2), (32, 32, 4, 3)]}
 
