@@ -249,8 +249,9 @@ def launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, a
 
 
 # (head_dim, page): the Gluon tiles tried (BLOCK_M, BLOCK_N, warps, stages)
-TILES = {128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
-         256: [(64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)]}
+TILES = {128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2)],
+         256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (128, 32, 8, 2)]}
+SPLITS = (1, 2, 3, 4, 5, 6, 8, 11, 16)
 
 
 def offline() -> None:
@@ -316,7 +317,7 @@ def check() -> None:
         q, k, v, kv, idx, indptr, q_off, hl, nl = args
         ref = ref_ops.paged_hstu_attention(q.float(), k.float(), v.float(), kv.float(), idx, indptr, hl, q_off, nl,
                                            alpha=0.1, n_norm=4096.0, max_q_len=max_q, max_history_len=max_kv,
-                                           num_history_tokens=int(nl.sum()))
+                                           num_history_tokens=int(hl.sum()))
         triton_out = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)
         tri_err = (triton_out.float() - ref).abs().max().item()
         for bl in TILES[dim]:
@@ -330,7 +331,7 @@ def check() -> None:
                       f"{tri_err:.2e} {'ok' if ok else 'FAIL'}")
 
 
-def time_all(rounds: int = 3) -> None:
+def time_all(rounds: int = 2) -> None:
     """Graphed µs, min over interleaved rounds: the package's launch (its tiles and split rule), and each
     Gluon tile with the rule's split count and its neighbours; the norm gate as the layer runs it."""
     for dim, page, bs in ((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (256, 32, 8)):
@@ -343,7 +344,9 @@ def time_all(rounds: int = 3) -> None:
         ref = fns["triton"]()
         for bl in TILES[dim]:
             rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
-            for sp in sorted({rule, max(1, rule // 2), rule * 2 if rule > 1 else 2}):
+            for sp in sorted({rule, *SPLITS}):
+                if bs * 4 * -(-max_q // bl[0]) * sp > 6 * 132 or sp * 2 > -(-max_kv // bl[1]):
+                    continue
                 fns[f"gluon {bl} splits={sp}"] = (lambda bl=bl, sp=sp: launch(*args, 0.1, 4096.0, max_q, max_kv,
                                                                               num_splits=sp, blocks=bl, norm_gate=gate))
         best = {}
@@ -358,9 +361,42 @@ def time_all(rounds: int = 3) -> None:
                 best[label] = min(best.get(label, float("inf")), ms)
             fns = {k: f for k, f in fns.items() if f is not None}
         print(f"time d{dim} p{page} bs{bs} (graphed µs, with the norm gate, min of {rounds} rounds):")
-        for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
+        for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:14]:
             diff = (fns[label]().float() - ref.float()).abs().max().item()
             print(f"   {ms * 1000:8.2f}  {label}  (max diff vs triton {diff:.2e})")
+
+
+def grid(rounds: int = 2) -> None:
+    """Graphed ms (min of ``rounds``) of the given tiles at every split count, norm gate included, over
+    batch sizes and histories: one JSON line each in $OUT/gluon_grid.jsonl, to fit the split rule's
+    constants to (``tri.MAKESPAN``)."""
+    import json
+    import os
+
+    sink = open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_grid.jsonl"), "a")
+    for dim, page, bl in ((128, 128, (64, 64, 4, 3)), (256, 32, (64, 32, 4, 3))):
+        for hist in (1024, 4096, 16384):
+            for bs in (1, 2, 4, 8, 16, 32):
+                args, max_q, max_kv = _case(bs, hist, dim, page)
+                width = 4 * dim
+                gate = (torch.ones(width, device="cuda", dtype=torch.bfloat16),
+                        torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
+                        torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))
+                tiles = bs * 4 * -(-max_q // bl[0])
+                for sp in SPLITS:
+                    if tiles * sp > 6 * 132 or sp * 2 > -(-max_kv // bl[1]):
+                        continue
+                    def fn(sp=sp, args=args, gate=gate):
+                        return launch(*args, 0.1, 4096.0, max_q, max_kv, num_splits=sp, blocks=bl, norm_gate=gate)
+
+                    ms = min(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+                             for _ in range(rounds))
+                    row = dict(dim=dim, hist=hist, bs=bs, blocks=bl, splits=sp, ms=ms, programs=tiles * sp)
+                    sink.write(json.dumps(row) + "\n")
+                    print(row)
+                del args, gate
+                torch.cuda.empty_cache()
+    sink.close()
 
 
 if __name__ == "__main__":
@@ -371,4 +407,4 @@ if __name__ == "__main__":
         import os
 
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        check() if mode == "check" else time_all()
+        {"check": check, "time": time_all, "grid": grid}[mode]()
