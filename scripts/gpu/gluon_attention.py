@@ -374,7 +374,7 @@ def grid(rounds: int = 2) -> None:
     import os
 
     sink = open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_grid.jsonl"), "a")
-    for dim, page, bl in ((128, 128, (64, 64, 4, 3)), (256, 32, (64, 32, 4, 3))):
+    for dim, page, bl in ((128, 128, (64, 64, 4, 3)), (256, 32, (64, 32, 4, 4))):
         for hist in (1024, 4096, 16384):
             for bs in (1, 2, 4, 8, 16, 32):
                 args, max_q, max_kv = _case(bs, hist, dim, page)
