@@ -18,7 +18,8 @@ and local memory (``cuobjdump --dump-resource-usage``: ``REG`` and ``STACK``; th
 triton/hstu_attention.py > /tmp/k.py``; the helpers it imports come from this tree), to compare a
 variant with the package's; ``--launch KEY=VALUE``: extra launch arguments (an int, True/False, a
 tuple of ints, or a string), e.g. ``append=True`` where that module takes it, or
-``blocks=64,64,8,2`` (the tiles: BLOCK_M, BLOCK_N, warps, stages).
+``blocks=64,64,8,2`` (the tiles: BLOCK_M, BLOCK_N, warps, stages); ``kernel=gluon``: the Gluon kernel
+(`gr_plugin.ops.triton.hstu_gluon`, which the H200 takes for graphed launches), graphed only.
 
 Approximations: the index tensors are fresh CPU tensors (16-byte aligned); a graph bucket packs its
 index fields into one buffer, where ``kv_indptr`` may start unaligned (one scalar load; the
@@ -44,7 +45,10 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
+
+from gr_plugin.ops.triton import hstu_gluon
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS, H200_SHARED = 132, 232448  # SMs; shared memory a block may opt into (bytes)
@@ -92,6 +96,9 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
     saved = {n: getattr(mod, n) for n in names}
     mod._hstu_fwd, mod._sum_parts = Capture(seen), Capture([])  # (the parts' sum is not compiled here)
     mod._shared_memory, mod._num_sms, mod._use_tma = (lambda d: H200_SHARED), (lambda d: H200_SMS), use_tma
+    gluon_saved = (hstu_gluon._paged_fwd, hstu_gluon.supported)
+    # kernel=gluon: the Gluon kernel's launch (`hstu_gluon`), its Hopper check passed as on the H200
+    hstu_gluon._paged_fwd, hstu_gluon.supported = Capture(seen), (lambda *a: None)
     try:
         launch = {"fast": True, **extra}  # (the H200's default SiLU; --launch may override it)
         mod.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, hist, q_offsets, new, alpha=0.1, n_norm=4096.0,
@@ -99,9 +106,10 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
     finally:
         for n, f in saved.items():
             setattr(mod, n, f)
+        hstu_gluon._paged_fwd, hstu_gluon.supported = gluon_saved
     if not seen:
         raise RuntimeError("the launch did not reach the module's _hstu_fwd (a reference fallback?)")
-    return saved["_hstu_fwd"], seen[0]
+    return (gluon_saved[0] if extra.get("kernel") == "gluon" else saved["_hstu_fwd"]), seen[0]
 
 
 def compile_for_h200(fn, args, kwargs):
@@ -110,7 +118,8 @@ def compile_for_h200(fn, args, kwargs):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGET, options=options.__dict__)
 
 
 def resources(kernel) -> tuple[int, int]:
@@ -156,12 +165,14 @@ def main() -> None:
     extra = parse_launch(a.launch)
     mod = load(a.module)
     for dim, page, bs in (tuple(int(x) for x in c.split(",")) for c in a.cases):
-        for graphed in (False, True):
+        for graphed in ((True,) if extra.get("kernel") == "gluon" else (False, True)):  # (Gluon: graphed only)
             fn, (args, kwargs) = captured_launch(mod, dim, page, bs, graphed, extra)
             regs, stack = resources(compile_for_h200(fn, args, kwargs))
-            tiles = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps"), kwargs.get("num_stages"))
+            tiles = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps"),
+                     kwargs.get("num_stages", kwargs.get("STAGES")))
             splits = args[fn.arg_names.index("splits")] if "splits" in fn.arg_names else "?"
-            form = ("graphed, TMA" if kwargs.get("TMA") else "graphed") if graphed else "eager"
+            form = ("graphed, Gluon" if fn.is_gluon() else "graphed, TMA" if kwargs.get("TMA") else "graphed") \
+                if graphed else "eager"
             print(f"head_dim {dim} page {page} bs {bs} {form}: tiles {tiles} splits {splits}: "
                   f"{regs} registers, {stack} bytes of local memory", flush=True)
 

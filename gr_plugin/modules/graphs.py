@@ -319,7 +319,7 @@ class CachedStackGraphs:
 
             cfg = self.cache.config
             launch = tri.paged_launch(shape[1], shape[0], cfg.num_heads, shape[3], hist, cfg.head_dim, table.dtype,
-                                      table.device)
+                                      table.device, page_size=cfg.page_size)
             if len(self._launches) > 64 * self.max_buckets:
                 self._launches.clear()
             self._launches[(*shape, hist)] = launch

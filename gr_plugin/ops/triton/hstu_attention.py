@@ -340,6 +340,16 @@ FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
 # plain pointer loads everywhere.
 SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "split")
 TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
+# GR_PLUGIN_ATTENTION_GLUON=0: the Triton kernel for graphed launches too (`_gluon_tiles`).
+GLUON = os.environ.get("GR_PLUGIN_ATTENTION_GLUON", "1") == "1"
+# NOTE: the Gluon kernel's tiles (`hstu_gluon`) per head_dim, and its split rule's makespan constants
+# (`_makespan`'s model: µs per history key of a program's query tile, µs per program). Measured on the
+# H200 (`scripts/gpu/gluon_attention.py time` and `grid`, graphed, the norm gate included;
+# docs/BENCHMARKS.md): head_dim 128 on 3 stages, 256 on 4 (149.5 vs 164.4 µs at bs 8); the constants
+# fitted by `scripts/fit_makespan.py` over histories 1024 / 4096 / 16384 and bs 1-32 (mean relative error
+# 13% and 4.4%), whose count was the measured best in 33 of 36 cases, at most 14.5% slower in the others.
+GLUON_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
+GLUON_MAKESPAN = {128: (0.01172, 7.62), 256: (0.01983, 8.14)}
 
 
 def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
@@ -562,12 +572,16 @@ def _splits(n_programs: int, max_kv_len: int, blocks: tuple[int, int, int, int],
 
 
 def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int, dim: int, dtype: torch.dtype,
-                 device: torch.device) -> tuple:
+                 device: torch.device, page_size: int | None = None) -> tuple:
     """What a paged launch naming neither its tiles nor its split count takes (`_plan`, which
     `_launch` asks): ``(blocks, splits)`` of the split grid, or ``("stream",)`` when
     ``SCHEDULE`` runs stream-K (which does not depend on ``max_kv_len``; past `_STREAM_TILES` it
-    falls back to the split grid on `_blocks`' tiles). A CUDA graph bucket keys on it, so histories
-    whose bounds give the same launch share one graph."""
+    falls back to the split grid on `_blocks`' tiles); given the table's ``page_size``, ``("gluon",
+    blocks, splits)`` where a captured launch takes the Gluon kernel (`_gluon_tiles`). A CUDA graph
+    bucket keys on it, so histories whose bounds give the same launch share one graph."""
+    tiles = None if page_size is None or SCHEDULE == "stream" else _gluon_tiles(dim, dtype, page_size, device)
+    if tiles is not None:
+        return "gluon", tiles, _gluon_splits(nq, bsz, heads, max_q_len, max_kv_len, tiles, dim, device, True)
     blocks, stream, splits = _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, True, None, None,
                                    None, True)
     return ("stream",) if stream else (blocks, splits)
@@ -587,6 +601,29 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
     if not kv.is_contiguous() or kv.dtype.itemsize != 2 or kv.numel() == 0 or kv.data_ptr() % 16:
         return False  # (a descriptor needs a 16-byte aligned base)
     return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
+
+
+def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int, device: torch.device) -> tuple | None:
+    """The Gluon kernel's tiles (`GLUON_TILES`) where it takes a paged launch whose caller names no
+    tiles, once the launch is one `_use_tma` allows (captured into a CUDA graph, a contiguous table):
+    ``GLUON`` and ``FAST_SILU`` on, bf16, Hopper (its warpgroup MMA), a head size it has tiles for and
+    pages a multiple of their key block; else None."""
+    tiles = GLUON_TILES.get(dim)
+    if not (GLUON and FAST_SILU and tiles and dtype == torch.bfloat16 and device.type == "cuda"
+            and page_size % tiles[1] == 0):
+        return None
+    return tiles if torch.cuda.get_device_capability(device)[0] == 9 else None
+
+
+def _gluon_splits(nq: int, bsz: int, heads: int, max_q_len: int, kv_len: int, tiles: tuple, dim: int,
+                  device: torch.device, tight_kv_len: bool) -> int:
+    """The Gluon kernel's split count: `_makespan`'s model with `GLUON_MAKESPAN`'s constants where
+    ``kv_len`` bounds the histories tightly, else the one-wave rule (`_splits`)."""
+    n = _programs(nq, bsz, heads, max_q_len, tiles[0])
+    if tight_kv_len and dim in GLUON_MAKESPAN:
+        wave = _num_sms(device) * _resident(tiles, dim, 2, device)
+        return _best_count(n, max(kv_len, 1), tiles[1], wave, *GLUON_MAKESPAN[dim])[1]
+    return _splits(n, kv_len, tiles, dim, 2, device, model=False)
 
 
 def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_splits, blocks, schedule,
@@ -619,7 +656,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
-            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True):
+            tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True, kernel=None):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -628,7 +665,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
-    count the one-wave rule's."""
+    count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`, paged split
+    grid only; ``blocks`` then names its tiles), ``"triton"``, or None: the Gluon kernel where
+    `_gluon_tiles` and `_use_tma` allow it and the caller names no tiles, TMA, stream-K or exact SiLU."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -643,7 +682,29 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         raise ValueError(f"GR_PLUGIN_ATTENTION_SCHEDULE must be split or stream, got {SCHEDULE!r}")
     if schedule == "stream" and num_splits is not None:
         raise ValueError(f"num_splits applies to the split schedule, got num_splits={num_splits} with 'stream'")
+    if kernel not in (None, "triton", "gluon"):
+        raise ValueError(f"kernel must be None, 'triton' or 'gluon', got {kernel!r}")
     bsz = q_offsets.numel() - 1
+    exact_silu = fast is False or (fast is None and not FAST_SILU)  # (asked for: the Gluon kernel has none)
+    if fast is None:
+        fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
+    gluon = kernel == "gluon"
+    if kernel is None and paged and blocks is None and tma is not False and fast and schedule != "stream" \
+            and (schedule is not None or SCHEDULE == "split") and _use_tma(kv, kv.shape[-3], 1):
+        gluon = _gluon_tiles(dim, q.dtype, kv.shape[-3], q.device) is not None
+    if gluon:
+        from gr_plugin.ops.triton import hstu_gluon
+
+        blocks = blocks if blocks is not None else GLUON_TILES.get(dim, (64, 64, 4, 3))
+        why = ("the paged split grid only" if not paged or schedule == "stream" else
+               hstu_gluon.supported(q, kv, blocks) or ("its SiLU is the fast one (the exact one asked)"
+                                                       if exact_silu else None))
+        if why is not None:
+            raise ValueError(f"the Gluon attention kernel cannot take this launch: {why}")
+        schedule = "split"
+        if num_splits is None:
+            num_splits = _gluon_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
+                                       blocks, dim, q.device, tight_kv_len)
     # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8, head_dim
     # 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so it runs only
     # where asked for. Sizes are taken apart only where the split rule or stream-K's bound needs them
@@ -677,10 +738,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         kv_arg, idx, ptr = kv, kv_indices, kv_indptr
     else:
         page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
-    if fast is None:
-        fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
     if tma is None:
-        tma = paged and _use_tma(kv, page_size, block_n)
+        tma = paged and not gluon and _use_tma(kv, page_size, block_n)
     desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -693,17 +752,21 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     else:  # the stream-K arguments are unused: no new buffers, no sizes taken apart
         part, done = target, q_offsets
         grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
-    _hstu_fwd[grid](
-        q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
-        target.stride(-3), target.stride(-2),
-        *strides, float(alpha), 1.0 / float(n_norm),
-        PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
-        WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-        REVERSED=bool(reversed_programs) and stream,
-        num_warps=warps, num_stages=stages,
-    )
+    if gluon:
+        hstu_gluon.launch(grid, q, k, v, target, kv, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, num_splits,
+                          split_stride, strides, alpha, 1.0 / float(n_norm), blocks)
+    else:
+        _hstu_fwd[grid](
+            q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
+            target.stride(-3), target.stride(-2),
+            *strides, float(alpha), 1.0 / float(n_norm),
+            PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
+            WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
+            REVERSED=bool(reversed_programs) and stream,
+            num_warps=warps, num_stages=stages,
+        )
     if num_splits > 1:
         if norm_gate is not None:
             weight, bias, eps, u = norm_gate

@@ -1,0 +1,155 @@
+"""The paged attention's Gluon kernel (`gr_plugin.ops.triton.hstu_gluon`): when `_launch` takes it, what it
+refuses, its split rule; on a Hopper GPU (marker ``gpu``) its error against an fp32 reference within 2x the
+same-precision torch reference's, and a captured launch equal to an eager one."""
+
+import pytest
+import torch
+
+from gr_plugin.ops.pytorch import hstu_attention as ref
+from gr_plugin.ops.triton import hstu_attention as tri
+
+from .test_triton_attention import build, run
+
+CPU = torch.device("cpu")
+
+
+def _bf16(args):
+    return {k: (v.to(torch.bfloat16) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()}
+
+
+def test_gluon_is_taken_only_where_it_can_run(monkeypatch):
+    """`_gluon_tiles`: bf16, Hopper (capability 9: its warpgroup MMA is not on Blackwell), a head size it
+    has tiles for, pages a multiple of its key block, with ``GLUON`` and ``FAST_SILU`` on."""
+    cuda = torch.device("cuda", 0)
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, CPU) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) == tri.GLUON_TILES[128]
+    assert tri._gluon_tiles(256, torch.bfloat16, 32, cuda) == tri.GLUON_TILES[256]
+    assert tri._gluon_tiles(128, torch.bfloat16, 32, cuda) is None  # a 64-key block spans pages
+    assert tri._gluon_tiles(128, torch.float16, 128, cuda) is None
+    assert tri._gluon_tiles(64, torch.bfloat16, 128, cuda) is None  # no measured tiles
+    monkeypatch.setattr(tri, "FAST_SILU", False)
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
+    monkeypatch.setattr(tri, "FAST_SILU", True)
+    monkeypatch.setattr(tri, "GLUON", False)
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
+    monkeypatch.setattr(tri, "GLUON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
+
+
+def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
+    """``kernel="gluon"`` names why it cannot run (and runs nothing); an unknown kernel is refused."""
+    _, paged = build([37, 90], [3, 1], [20, 64], 64, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="bf16 only"):
+        run(tri, "paged", {**paged, "kernel": "gluon"})
+    with pytest.raises(ValueError, match="Hopper only"):
+        run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
+    from gr_plugin.ops.triton import hstu_gluon
+
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)  # (as on a Hopper GPU: the SiLU check next)
+    with pytest.raises(ValueError, match="the exact one asked"):
+        run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "fast": False})
+    monkeypatch.setattr(tri, "FAST_SILU", False)
+    with pytest.raises(ValueError, match="the exact one asked"):
+        run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="paged split grid only"):
+        run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "schedule": "stream"})
+    with pytest.raises(ValueError, match="kernel must be None, 'triton' or 'gluon', got 'cuda'"):
+        run(tri, "paged", {**paged, "kernel": "cuda"})
+
+
+# (head_dim, history, bs) -> the split count that measured fastest for the Gluon tiles on the H200
+# (`scripts/gpu/gluon_attention.py grid`, docs/BENCHMARKS.md, 2026-12-01), where the rule takes it
+GLUON_GRID_BEST = {(128, 4096, 2): 5, (128, 4096, 4): 2, (128, 4096, 8): 1, (128, 16384, 8): 4, (128, 1024, 8): 1,
+                   (256, 4096, 1): 5, (256, 4096, 4): 4, (256, 4096, 8): 2, (256, 16384, 2): 5, (256, 1024, 2): 2}
+
+
+def test_gluon_split_rule_takes_the_h200_sweeps_counts(monkeypatch):
+    """`_gluon_splits`: `GLUON_MAKESPAN`'s model at an H200's sizes takes the measured best count in
+    these cases (33 of the sweep's 36; bs 1 at head_dim 128 takes 11 splits against the best 5, 3.2%
+    slower at 4096); with a loose history bound, the one-wave rule. `paged_launch` names the Gluon
+    launch where a captured launch would take it."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    got = {(dim, hist, bs): tri._gluon_splits(384 * bs, bs, 4, 384, hist, tri.GLUON_TILES[dim], dim, CPU, True)
+           for dim, hist, bs in GLUON_GRID_BEST}
+    assert got == GLUON_GRID_BEST
+    assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, True) == 11
+    assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, False) == \
+        tri._splits(24, 4096, tri.GLUON_TILES[128], 128, 2, CPU, model=False)
+    assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == \
+        tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU)  # no Gluon off CUDA
+    monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: tri.GLUON_TILES[dim])
+    assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == \
+        ("gluon", tri.GLUON_TILES[128], 1)
+
+
+def _need_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel needs a Hopper GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dim", "page_size"), [(128, 128), (128, 64), (256, 32), (64, 64)])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_gluon_error_within_twice_the_torch_reference(dim, page_size, seed, splits):
+    """Random jagged batches (nothing cached for one user, all cached for another, partial last pages,
+    1-70 candidates), every slot of the table that no history holds NaN: the kernel's error against an
+    fp32 reference is at most 2x the bf16 torch reference's; the same bits on a second run."""
+    _need_hopper()
+    g = torch.Generator().manual_seed(seed)
+    bsz = 4
+    hist = torch.randint(0, 700, (bsz,), generator=g).tolist()
+    cand = torch.randint(1, 70, (bsz,), generator=g).tolist()
+    cached = [int(torch.randint(0, h + 1, (1,), generator=g)) for h in hist]
+    cached[0], cached[-1] = 0, hist[-1]
+    _, paged = build(hist, cand, cached, page_size, 4, dim, torch.float32, "cuda", seed)
+    table = paged["kv_layer"]
+    used = torch.zeros(table.shape[0], page_size, dtype=torch.bool, device="cuda")
+    for b, h in enumerate(hist):
+        pages = paged["kv_indices"][paged["kv_indptr"][b]:paged["kv_indptr"][b + 1]]
+        t = torch.arange(h, device="cuda")
+        used[pages[t // page_size], t % page_size] = True
+    table.permute(0, 2, 1, 3, 4)[~used] = float("nan")  # (a view: the table's own slots)
+    assert table.isnan().any()
+    exact = run(ref, "paged", paged, torch.float32)
+    torch_low = run(ref, "paged", paged, torch.bfloat16).float()
+    args = {**_bf16(paged), "kernel": "gluon", "num_splits": splits}
+    got = run(tri, "paged", args)
+    assert not got.isnan().any()
+    err, err_torch = (got.float() - exact).abs().max().item(), (torch_low - exact).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    assert torch.equal(run(tri, "paged", args), got)
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_launch_takes_gluon_with_an_eager_launchs_bits(monkeypatch):
+    """Captured into a CUDA graph on Hopper, a paged bf16 launch naming no tiles takes the Gluon kernel
+    (with its split rule), and gives the bits of the same kernel launched eagerly; the whole-table form
+    (a layer of ``[L, num_pages, ...]``) the bits of its layer's view."""
+    _need_hopper()
+    from gr_plugin.ops.triton import hstu_gluon
+
+    took = []
+    real = hstu_gluon.launch
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    _, paged = build([1500, 700, 300], [40, 9, 64], [1400, 650, 0], 128, 4, 128, torch.float32, "cuda", 7)
+    args = _bf16(paged)
+    eager = run(tri, "paged", {**args, "kernel": "gluon"})
+    table = torch.stack([torch.randn_like(args["kv_layer"]), args["kv_layer"]])
+    whole = run(tri, "paged", {**args, "kv_layer": table, "layer": 1, "kernel": "gluon"})
+    assert torch.equal(whole, eager)
+    took.clear()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = run(tri, "paged", args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert took == [tri.GLUON_TILES[128]]
+    assert torch.equal(captured, eager)
