@@ -252,4 +252,6 @@ def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, spli
     graph.replay()
     torch.cuda.synchronize()
     within_one_rounding(captured[:n], captured_want[:n])
-    torch.testing.assert_close(captured[:n].float(), want[:n].float(), rtol=0, atol=3e-2)
+    # (on Hopper the captured launches take the Gluon kernel, with its own split count: the parts are summed
+    # in another order, so the eager result is one rounding away at most)
+    within_one_rounding(captured[:n], want[:n])
