@@ -300,17 +300,23 @@ def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
     args["kernel"] = "triton"  # (a captured launch naming none takes the Gluon kernel: test_gluon_attention.py)
     eager = run(tri, "paged", args)
     assert decided == [False]
+    captured = replayed(lambda: run(tri, "paged", args))  # (the TMA kernel compiles at capture: host-side work)
+    assert decided[-1] is True
+    assert torch.equal(captured, eager)
+
+
+def replayed(fn):
+    """``fn()``'s result as a CUDA graph gives it: captured on a side stream, replayed once."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run(tri, "paged", args)  # the pointer kernel compiles here; the TMA one at capture (host-side work)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            captured = run(tri, "paged", args)
+            out = fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    assert decided[-1] is True
-    assert torch.equal(captured, eager)
+    return out
 
 
 _WRITES = """
