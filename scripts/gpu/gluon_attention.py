@@ -5,7 +5,8 @@ python3 scripts/gpu/gluon_attention.py [check|time|grid] -> ``check``: every til
 counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton kernel's
 error (partial last pages with NaN in every slot no history holds); ``time``: graphed µs (the norm gate
 included, min over interleaved rounds) of the Triton launch and of each tile at each split count, at
-the block's shapes (4096 history, 128 new + 256 candidates, 4 heads); ``grid``: the package's Gluon tiles
+the block's shapes (4096 history, 128 new + 256 candidates, 4 heads; ``time DIM,PAGE,BS ...``: those
+only); ``grid``: the package's Gluon tiles
 at every split count over histories 1024 / 4096 / 16384 and bs 1-32, as JSON lines in
 $OUT/gluon_grid.jsonl (`scripts/fit_makespan.py` fits the split rule to them). Registers and local
 memory without a GPU: ``python scripts/kernel_resources.py --launch kernel=gluon``.
@@ -77,10 +78,10 @@ def check() -> None:
                       f"{tri_err:.2e} {'ok' if ok else 'FAIL'}")
 
 
-def time_all(rounds: int = 2) -> None:
+def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (256, 32, 8)), rounds: int = 2):
     """Graphed µs, min over interleaved rounds: the package's launch (its tiles and split rule), and each
     Gluon tile with the rule's split count and its neighbours; the norm gate as the layer runs it."""
-    for dim, page, bs in ((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (256, 32, 8)):
+    for dim, page, bs in cases:
         args, max_q, max_kv = _case(bs, 4096, dim, page)
         width = 4 * dim
         gate = (torch.ones(width, device="cuda", dtype=torch.bfloat16),
@@ -147,4 +148,7 @@ def grid(rounds: int = 2) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    {"check": check, "time": time_all, "grid": grid}[mode]()
+    if mode == "time" and len(sys.argv) > 2:  # ``time DIM,PAGE,BS ...``: those cases only
+        time_all(tuple(tuple(int(x) for x in c.split(",")) for c in sys.argv[2:]))
+    else:
+        {"check": check, "time": time_all, "grid": grid}[mode]()
