@@ -89,6 +89,7 @@ def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (
                 torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))
         fns = {"triton": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, norm_gate=gate)}
         ref = fns["triton"]()
+        fns["gluon, the package's tiles and rule"] = lambda: launch(*args, 0.1, 4096.0, max_q, max_kv, norm_gate=gate)
         for bl in TILES[dim]:
             rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
             for sp in sorted({rule, *SPLITS}):
