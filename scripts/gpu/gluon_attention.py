@@ -87,7 +87,8 @@ def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (
         gate = (torch.ones(width, device="cuda", dtype=torch.bfloat16),
                 torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
                 torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))
-        fns = {"triton": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, norm_gate=gate)}
+        fns = {"triton": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, norm_gate=gate,
+                                             kernel="triton")}
         ref = fns["triton"]()
         fns["gluon, the package's tiles and rule"] = lambda: launch(*args, 0.1, 4096.0, max_q, max_kv, norm_gate=gate)
         for bl in TILES[dim]:
