@@ -33,7 +33,7 @@ def launch(*args, num_splits=None, blocks=None, norm_gate=None):
 
 # (head_dim, page): the Gluon tiles tried (BLOCK_M, BLOCK_N, warps, stages)
 TILES = {128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2)],
-         256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (128, 32, 8, 2)]}
+         256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 8, 2)]}  # (page 32: 32-key blocks)
 SPLITS = (1, 2, 3, 4, 5, 6, 8, 11, 16)
 
 
@@ -65,7 +65,7 @@ def check() -> None:
         ref = ref_ops.paged_hstu_attention(q.float(), k.float(), v.float(), kv.float(), idx, indptr, hl, q_off, nl,
                                            alpha=0.1, n_norm=4096.0, max_q_len=max_q, max_history_len=max_kv,
                                            num_history_tokens=int(hl.sum()))
-        triton_out = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv)
+        triton_out = tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, kernel="triton")
         tri_err = (triton_out.float() - ref).abs().max().item()
         for bl in TILES[dim]:
             if page % bl[1]:
@@ -78,21 +78,26 @@ def check() -> None:
                       f"{tri_err:.2e} {'ok' if ok else 'FAIL'}")
 
 
+def _gate(dim, rows):
+    """The layer's norm gate for ``rows`` queries (bf16, as the model's): weight, bias, eps, u."""
+    width = 4 * dim
+    return (torch.ones(width, device="cuda", dtype=torch.bfloat16), torch.zeros(width, device="cuda",
+            dtype=torch.bfloat16), 1e-5, torch.randn(rows, width, device="cuda", dtype=torch.bfloat16))
+
+
 def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (256, 32, 8)), rounds: int = 2):
-    """Graphed µs, min over interleaved rounds: the package's launch (its tiles and split rule), and each
-    Gluon tile with the rule's split count and its neighbours; the norm gate as the layer runs it."""
+    """Graphed µs, min over interleaved rounds: the Triton kernel's launch (its tiles and split rule), the
+    package's Gluon launch, and each Gluon tile of `TILES` at each split count of `SPLITS` (and the Gluon
+    rule's); the norm gate as the layer runs it."""
     for dim, page, bs in cases:
         args, max_q, max_kv = _case(bs, 4096, dim, page)
-        width = 4 * dim
-        gate = (torch.ones(width, device="cuda", dtype=torch.bfloat16),
-                torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
-                torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))
+        gate = _gate(dim, args[0].shape[0])
         fns = {"triton": lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, norm_gate=gate,
                                              kernel="triton")}
         ref = fns["triton"]()
         fns["gluon, the package's tiles and rule"] = lambda: launch(*args, 0.1, 4096.0, max_q, max_kv, norm_gate=gate)
         for bl in TILES[dim]:
-            rule = tri._default_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, 2, args[0].device)
+            rule = tri._gluon_splits(args[0].shape[0], bs, 4, max_q, max_kv, bl, dim, args[0].device, True)
             for sp in sorted({rule, *SPLITS}):
                 if bs * 4 * -(-max_q // bl[0]) * sp > 6 * 132 or sp * 2 > -(-max_kv // bl[1]):
                     continue
@@ -116,20 +121,17 @@ def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (
 
 
 def grid(rounds: int = 2) -> None:
-    """Graphed ms (min of ``rounds``) of the package's Gluon tiles at every split count, norm gate
+    """Graphed ms (min of ``rounds``) of the package's Gluon tiles at each split count of `SPLITS`, norm gate
     included, over batch sizes and histories: one JSON line each in $OUT/gluon_grid.jsonl, to fit the
     split rule's constants to (``tri.GLUON_MAKESPAN``, `scripts/fit_makespan.py`)."""
     import json
 
-    sink = open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_grid.jsonl"), "a")
+    sink = open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_grid.jsonl"), "w")
     for dim, page, bl in ((128, 128, tri.GLUON_TILES[128]), (256, 32, tri.GLUON_TILES[256])):
         for hist in (1024, 4096, 16384):
             for bs in (1, 2, 4, 8, 16, 32):
                 args, max_q, max_kv = _case(bs, hist, dim, page)
-                width = 4 * dim
-                gate = (torch.ones(width, device="cuda", dtype=torch.bfloat16),
-                        torch.zeros(width, device="cuda", dtype=torch.bfloat16), 1e-5,
-                        torch.randn(args[0].shape[0], width, device="cuda", dtype=torch.bfloat16))
+                gate = _gate(dim, args[0].shape[0])
                 tiles = bs * 4 * -(-max_q // bl[0])
                 for sp in SPLITS:
                     if tiles * sp > 6 * 132 or sp * 2 > -(-max_kv // bl[1]):

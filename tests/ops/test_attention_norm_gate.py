@@ -14,7 +14,7 @@ from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as tri
 from gr_plugin.ops.triton import layer_norm
 
-from .test_triton_attention import ALPHA, NORM, build, run
+from .test_triton_attention import ALPHA, NORM, build, replayed, run
 
 CASE = ([37, 0, 90], [3, 2, 1], [20, 0, 64])  # mixed users, an empty history, partial last pages
 
@@ -227,8 +227,12 @@ def test_model_cached_pass_with_the_epilogue_equals_the_full_pass(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dim", "page_size"), [(128, 128), (256, 32), (64, 16)])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, splits):
-    """bf16 on the GPU, the split count by the rule (None) or forced, eager and graphed."""
+def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, splits, monkeypatch):
+    """bf16 on the GPU, the split count by the rule (None) or forced, eager and graphed. A graphed launch
+    may take the other kernel (on Hopper the Gluon one, `hstu_gluon`, with its own split count): it
+    gives the bits that kernel gives eagerly, and holds the project's rule against an fp32 reference."""
+    from gr_plugin.ops.triton import hstu_gluon
+
     hist, cand, cached = [4096, 300, 1000], [256, 1, 40], [3968, 0, 1000]
     _, paged = build(hist, cand, cached, page_size, 4, dim, torch.bfloat16, "cuda")
     args = with_padding(paged, 5)
@@ -241,19 +245,22 @@ def test_gpu_epilogue_gives_the_bits_of_attention_then_norm(dim, page_size, spli
     if splits == 1:  # no parts: the same kernels in turn
         assert torch.equal(got[:n], want[:n])
     # graphed as the buckets launch it, both forms in one graph
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)})
-            captured_want = attention_then_norm(args, gate, **launch)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    took = []
+    real = hstu_gluon.launch
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    captured, captured_want = replayed(lambda: (run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate)}),
+                                                attention_then_norm(args, gate, **launch)))
     within_one_rounding(captured[:n], captured_want[:n])
-    # the captured launch's kernel (on Hopper the Gluon one, `hstu_gluon`; elsewhere the Triton one with TMA
-    # loads) gives the bits that kernel gives eagerly
-    kernel = "gluon" if tri._gluon_tiles(dim, torch.bfloat16, page_size, args["q"].device) else "triton"
+    kernel = "gluon" if took else "triton"
+    assert bool(took) == (tri._gluon_tiles(dim, torch.bfloat16, page_size, args["q"].device) is not None)
     eager = run(tri, "paged", {**args, **launch, "norm_gate": tuple(gate), "kernel": kernel})
     assert torch.equal(captured[:n], eager[:n])
+    # the rule: within 2x the error of the same steps in bf16 torch ops, both against fp32
+    ln = torch.nn.functional.layer_norm
+    width = 4 * dim
+    a32 = run(ref, "paged", paged, torch.float32).reshape(n, width)
+    exact = ln(a32, (width,), gate.weight.float(), gate.bias.float(), gate.eps) * gate.u[:n].float()
+    a16 = run(ref, "paged", paged, torch.bfloat16).reshape(n, width)
+    low = (ln(a16, (width,), gate.weight, gate.bias, gate.eps) * gate.u[:n]).float()
+    err, err_low = (captured[:n].float() - exact).abs().max().item(), (low - exact).abs().max().item()
+    assert err <= 2 * err_low + 1e-6, (err, err_low)

@@ -38,8 +38,24 @@ def test_gluon_is_taken_only_where_it_can_run(monkeypatch):
     assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
 
 
+def _spy_kernels(monkeypatch) -> list:
+    """Record which kernel each launch reaches (``"gluon"`` / ``"triton"``) instead of running it."""
+    from gr_plugin.ops.triton import hstu_gluon
+
+    took = []
+
+    class Triton:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: took.append("triton")
+
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append("gluon"))
+    monkeypatch.setattr(tri, "_hstu_fwd", Triton())
+    return took
+
+
 def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
-    """``kernel="gluon"`` names why it cannot run (and runs nothing); an unknown kernel is refused."""
+    """``kernel="gluon"`` names why it cannot run, and runs nothing; an unknown kernel is refused."""
+    took = _spy_kernels(monkeypatch)
     _, paged = build([37, 90], [3, 1], [20, 64], 64, 2, 64, torch.float32, "cpu")
     with pytest.raises(ValueError, match="bf16 only"):
         run(tri, "paged", {**paged, "kernel": "gluon"})
@@ -58,6 +74,39 @@ def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
         run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "schedule": "stream"})
     with pytest.raises(ValueError, match="kernel must be None, 'triton' or 'gluon', got 'cuda'"):
         run(tri, "paged", {**paged, "kernel": "cuda"})
+    assert took == []
+
+
+def test_only_a_launch_naming_no_options_takes_gluon(monkeypatch):
+    """Where the Gluon kernel could run (here: as if on Hopper, capturing), a launch naming no options
+    takes it; one naming tiles, a TMA setting, stream-K, warp specialisation, the exact SiLU or the
+    Triton kernel keeps the Triton kernel, as does any launch with ``GLUON`` off or the kernel refusing
+    its tensors; an eager launch (`_use_tma` false) keeps it too."""
+    from gr_plugin.ops.triton import hstu_gluon
+
+    took = _spy_kernels(monkeypatch)
+    _, paged = build([300, 90], [3, 1], [200, 64], 64, 2, 64, torch.float32, "cpu")
+    args = {**_bf16(paged), "num_splits": 1, "fast": True}  # (the fast SiLU: a CUDA bf16 launch's default)
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, page_size, block_n: True)
+    monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 3))
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
+    cases = [({}, "gluon"), ({"blocks": (64, 64, 4, 2)}, "triton"), ({"tma": False}, "triton"),
+             ({"tma": True}, "triton"), ({"schedule": "stream", "num_splits": None}, "triton"),
+             ({"warp_specialize": True}, "triton"), ({"fast": False}, "triton"), ({"kernel": "triton"}, "triton"),
+             ({"kernel": "gluon"}, "gluon")]
+    for extra, kernel in cases:
+        took.clear()
+        run(tri, "paged", {**args, **extra})
+        assert took == [kernel], extra
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: "not these tensors")
+    took.clear()
+    run(tri, "paged", args)
+    assert took == ["triton"]
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, page_size, block_n: False)  # eager
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
+    took.clear()
+    run(tri, "paged", args)
+    assert took == ["triton"]
 
 
 # (head_dim, history, bs) -> the split count that measured fastest for the Gluon tiles on the H200
@@ -68,9 +117,9 @@ GLUON_GRID_BEST = {(128, 4096, 2): 5, (128, 4096, 4): 2, (128, 4096, 8): 1, (128
 
 def test_gluon_split_rule_takes_the_h200_sweeps_counts(monkeypatch):
     """`_gluon_splits`: `GLUON_MAKESPAN`'s model at an H200's sizes takes the measured best count in
-    these cases (33 of the sweep's 36; bs 1 at head_dim 128 takes 11 splits against the best 5, 3.2%
-    slower at 4096); with a loose history bound, the one-wave rule. `paged_launch` names the Gluon
-    launch where a captured launch would take it."""
+    these cases (31 of the sweep's 36; bs 1 at head_dim 128 takes 11 splits against the best 5, 3.2%
+    slower at 4096); with a loose history bound or tiles without constants, the one-wave rule.
+    `paged_launch` names the Gluon launch where a captured launch would take it."""
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
     got = {(dim, hist, bs): tri._gluon_splits(384 * bs, bs, 4, 384, hist, tri.GLUON_TILES[dim], dim, CPU, True)
@@ -79,6 +128,9 @@ def test_gluon_split_rule_takes_the_h200_sweeps_counts(monkeypatch):
     assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, True) == 11
     assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, False) == \
         tri._splits(24, 4096, tri.GLUON_TILES[128], 128, 2, CPU, model=False)
+    other = (128, 64, 8, 2)  # tiles the constants were not fitted on: the one-wave rule
+    assert tri._gluon_splits(384, 1, 4, 384, 4096, other, 128, CPU, True) == \
+        tri._splits(12, 4096, other, 128, 2, CPU, model=False)
     assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == \
         tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU)  # no Gluon off CUDA
     monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: tri.GLUON_TILES[dim])
@@ -96,16 +148,18 @@ def _need_hopper():
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_gpu_gluon_error_within_twice_the_torch_reference(dim, page_size, seed, splits):
-    """Random jagged batches (nothing cached for one user, all cached for another, partial last pages,
-    1-70 candidates), every slot of the table that no history holds NaN: the kernel's error against an
-    fp32 reference is at most 2x the bf16 torch reference's; the same bits on a second run."""
+    """Random jagged batches (nothing cached for one user, no history at all for another, all cached for
+    a third, partial last pages, 1-70 candidates), every slot of the table that no history holds NaN:
+    the kernel's error against an fp32 reference is at most 2x the bf16 torch reference's; the same
+    bits on a second run."""
     _need_hopper()
     g = torch.Generator().manual_seed(seed)
     bsz = 4
     hist = torch.randint(0, 700, (bsz,), generator=g).tolist()
     cand = torch.randint(1, 70, (bsz,), generator=g).tolist()
     cached = [int(torch.randint(0, h + 1, (1,), generator=g)) for h in hist]
-    cached[0], cached[-1] = 0, hist[-1]
+    hist[1] = 0  # a user with no history: candidates only
+    cached[0], cached[1], cached[-1] = 0, 0, hist[-1]
     _, paged = build(hist, cand, cached, page_size, 4, dim, torch.float32, "cuda", seed)
     table = paged["kv_layer"]
     used = torch.zeros(table.shape[0], page_size, dtype=torch.bool, device="cuda")

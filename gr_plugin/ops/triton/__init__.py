@@ -24,3 +24,11 @@ def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, .
         raise ValueError(f"kv_table's layers must follow each other page after page, got shape {tuple(kv.shape)} "
                          f"and strides {kv.stride()}")
     return layer * kv.shape[1], tuple(kv.stride()[1:5])
+
+
+def tma_table(kv: torch.Tensor) -> bool:
+    """Whether one TMA descriptor covers the paged table ``kv`` seen as rows of ``H * D`` elements
+    (what the attention kernels' TMA loads read): contiguous 16-bit values, not empty, a 16-byte
+    aligned base, fewer than 2^31 rows (the descriptor's coordinates are 32-bit)."""
+    return (kv.is_contiguous() and kv.dtype.itemsize == 2 and kv.numel() > 0 and kv.data_ptr() % 16 == 0
+            and kv.numel() // kv.stride(-3) < 2 ** 31)

@@ -11,7 +11,9 @@ skipped. Works under ``TRITON_INTERPRET=1`` on CPU tensors (fp32/fp16), which th
 
 Options of the paged form (`_launch`): full key blocks read through a TMA descriptor when the launch
 is captured into a CUDA graph on Hopper or newer (`_use_tma`), and a stream-K grid
-(``schedule="stream"``; measured slower than the default split grid on the H200, kept tested).
+(``schedule="stream"``; measured slower than the default split grid on the H200, kept tested). On
+Hopper a captured bf16 launch naming no options takes the Gluon kernel of `hstu_gluon` instead (same
+grid and outputs, faster on the H200; `_gluon_tiles`), whose split rule this module keeps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import layer_norm, table_layout
+from gr_plugin.ops.triton import layer_norm, table_layout, tma_table
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -340,16 +342,18 @@ FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
 # plain pointer loads everywhere.
 SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "split")
 TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
-# GR_PLUGIN_ATTENTION_GLUON=0: the Triton kernel for graphed launches too (`_gluon_tiles`).
+# GR_PLUGIN_ATTENTION_GLUON=0: the Triton kernel for graphed launches too (`_gluon_tiles`; GR_PLUGIN_ATTENTION_TMA=0,
+# which the Gluon kernel's loads need, turns it off as well).
 GLUON = os.environ.get("GR_PLUGIN_ATTENTION_GLUON", "1") == "1"
 # NOTE: the Gluon kernel's tiles (`hstu_gluon`) per head_dim, and its split rule's makespan constants
 # (`_makespan`'s model: µs per history key of a program's query tile, µs per program). Measured on the
 # H200 (`scripts/gpu/gluon_attention.py time` and `grid`, graphed, the norm gate included;
 # docs/BENCHMARKS.md): head_dim 128 on 3 stages, 256 on 4 (149.5 vs 164.4 µs at bs 8); the constants
 # fitted by `scripts/fit_makespan.py` over histories 1024 / 4096 / 16384 and bs 1-32 (mean relative error
-# 13% and 4.4%), whose count was the measured best in 33 of 36 cases, at most 14.5% slower in the others.
+# 13% and 4.4%), whose count was the measured best in 31 of 36 cases, at most 14.5% slower in the others.
+# Keyed by (head_dim, tiles): other tiles (``kernel="gluon"`` naming them) take the one-wave rule.
 GLUON_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
-GLUON_MAKESPAN = {128: (0.01172, 7.62), 256: (0.01983, 8.14)}
+GLUON_MAKESPAN = {(128, (64, 64, 4, 3)): (0.01172, 7.62), (256, (64, 32, 4, 4)): (0.01983, 8.14)}
 
 
 def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
@@ -598,18 +602,17 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
         return False
     if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return False
-    if not kv.is_contiguous() or kv.dtype.itemsize != 2 or kv.numel() == 0 or kv.data_ptr() % 16:
-        return False  # (a descriptor needs a 16-byte aligned base)
-    return torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.numel() // kv.stride(-3) < 2 ** 31
+    return tma_table(kv) and torch.cuda.get_device_capability(kv.device)[0] >= 9
 
 
 def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int, device: torch.device) -> tuple | None:
     """The Gluon kernel's tiles (`GLUON_TILES`) where it takes a paged launch whose caller names no
-    tiles, once the launch is one `_use_tma` allows (captured into a CUDA graph, a contiguous table):
-    ``GLUON`` and ``FAST_SILU`` on, bf16, Hopper (its warpgroup MMA), a head size it has tiles for and
-    pages a multiple of their key block; else None."""
+    options, once the launch is one `_use_tma` allows (captured into a CUDA graph, a contiguous table)
+    and the kernel takes its tensors (`hstu_gluon.supported`): ``GLUON``, ``TMA`` and ``FAST_SILU`` on,
+    bf16, Hopper (its warpgroup MMA), a head size it has tiles for and pages a multiple of their key
+    block; else None. `paged_launch` (a graph bucket's key) and `_launch` both ask it."""
     tiles = GLUON_TILES.get(dim)
-    if not (GLUON and FAST_SILU and tiles and dtype == torch.bfloat16 and device.type == "cuda"
+    if not (GLUON and TMA and FAST_SILU and tiles and dtype == torch.bfloat16 and device.type == "cuda"
             and page_size % tiles[1] == 0):
         return None
     return tiles if torch.cuda.get_device_capability(device)[0] == 9 else None
@@ -617,12 +620,13 @@ def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int, device: torch.dev
 
 def _gluon_splits(nq: int, bsz: int, heads: int, max_q_len: int, kv_len: int, tiles: tuple, dim: int,
                   device: torch.device, tight_kv_len: bool) -> int:
-    """The Gluon kernel's split count: `_makespan`'s model with `GLUON_MAKESPAN`'s constants where
-    ``kv_len`` bounds the histories tightly, else the one-wave rule (`_splits`)."""
+    """The Gluon kernel's split count: `_makespan`'s model with `GLUON_MAKESPAN`'s constants for these
+    tiles where ``kv_len`` bounds the histories tightly, else the one-wave rule (`_splits`)."""
     n = _programs(nq, bsz, heads, max_q_len, tiles[0])
-    if tight_kv_len and dim in GLUON_MAKESPAN:
+    consts = GLUON_MAKESPAN.get((dim, tuple(tiles)))
+    if tight_kv_len and consts is not None:
         wave = _num_sms(device) * _resident(tiles, dim, 2, device)
-        return _best_count(n, max(kv_len, 1), tiles[1], wave, *GLUON_MAKESPAN[dim])[1]
+        return _best_count(n, max(kv_len, 1), tiles[1], wave, *consts)[1]
     return _splits(n, kv_len, tiles, dim, 2, device, model=False)
 
 
@@ -666,8 +670,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
     count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`, paged split
-    grid only; ``blocks`` then names its tiles), ``"triton"``, or None: the Gluon kernel where
-    `_gluon_tiles` and `_use_tma` allow it and the caller names no tiles, TMA, stream-K or exact SiLU."""
+    grid only; ``blocks`` then names its tiles; a launch it cannot take is an error), ``"triton"``, or
+    None: the Gluon kernel where `_gluon_tiles`, `_use_tma` and `hstu_gluon.supported` allow it and
+    the caller names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU; else Triton."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -689,9 +694,14 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
     gluon = kernel == "gluon"
-    if kernel is None and paged and blocks is None and tma is not False and fast and schedule != "stream" \
-            and (schedule is not None or SCHEDULE == "split") and _use_tma(kv, kv.shape[-3], 1):
-        gluon = _gluon_tiles(dim, q.dtype, kv.shape[-3], q.device) is not None
+    if kernel is None and paged and blocks is None and tma is None and not warp_specialize and fast \
+            and schedule != "stream" and (schedule is not None or SCHEDULE == "split") \
+            and _use_tma(kv, kv.shape[-3], 1):
+        tiles = _gluon_tiles(dim, q.dtype, kv.shape[-3], q.device)
+        if tiles is not None:
+            from gr_plugin.ops.triton import hstu_gluon
+
+            gluon = hstu_gluon.supported(q, kv, tiles) is None  # (else Triton: e.g. a bf16 q on an fp16 table)
     if gluon:
         from gr_plugin.ops.triton import hstu_gluon
 
@@ -741,7 +751,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if tma is None:
         tma = paged and not gluon and _use_tma(kv, page_size, block_n)
     desc = None
-    if tma:
+    if tma and not gluon:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim])
