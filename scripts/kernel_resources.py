@@ -48,7 +48,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
-from gr_plugin.ops.triton import hstu_gluon
+from gr_plugin.ops.triton import hstu_gluon, tma_covers
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS, H200_SHARED = 132, 232448  # SMs; shared memory a block may opt into (bytes)
@@ -90,7 +90,7 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
             return lambda *a, **kw: self.into.append((a, kw))
 
     def use_tma(t, page_size, block_n):  # `_use_tma` as on the H200, capturing (graphed) or not
-        return graphed and mod.TMA and page_size % block_n == 0 and t.dtype.itemsize == 2 and t.is_contiguous()
+        return graphed and mod.TMA and page_size % block_n == 0 and tma_covers(t)
 
     names = ("_hstu_fwd", "_sum_parts", "_shared_memory", "_num_sms", "_use_tma")
     saved = {n: getattr(mod, n) for n in names}

@@ -1,15 +1,15 @@
 """The paged attention's Gluon kernel (`gr_plugin.ops.triton.hstu_gluon`) side by side with the Triton
 kernel (`gr_plugin.ops.triton.hstu_attention`), on the GPU.
 
-python3 scripts/gpu/gluon_attention.py [check|time|grid] -> ``check``: every tile of `TILES` at split
-counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton kernel's
-error (partial last pages with NaN in every slot no history holds); ``time``: graphed µs (the norm gate
-included, min over interleaved rounds) of the Triton launch and of each tile at each split count, at
-the block's shapes (4096 history, 128 new + 256 candidates, 4 heads; ``time DIM,PAGE,BS ...``: those
-only); ``grid``: the package's Gluon tiles
-at every split count over histories 1024 / 4096 / 16384 and bs 1-32, as JSON lines in
-$OUT/gluon_grid.jsonl (`scripts/fit_makespan.py` fits the split rule to them). Registers and local
-memory without a GPU: ``python scripts/kernel_resources.py --launch kernel=gluon``.
+python3 scripts/gpu/gluon_attention.py [check|time [DIM,PAGE,BS ...]|grid] -> ``check``: every tile of `TILES`
+at split counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton
+kernel's error (partial last pages with NaN in every slot no history holds); ``time``: graphed µs (the
+norm gate included, min over interleaved rounds) of the Triton kernel's launch, the package's Gluon
+launch, and each tile at each split count of `SPLITS`, at the block's shapes (4096 history, 128 new +
+256 candidates, 4 heads) or the cases named; ``grid``: the package's Gluon tiles at each split count
+of `SPLITS` over histories 1024 / 4096 / 16384 and bs 1-32, as JSON lines in $OUT/gluon_grid.jsonl
+(`scripts/fit_makespan.py` fits the split rule to them). Registers and local memory without a GPU:
+``python scripts/kernel_resources.py --launch kernel=gluon``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def launch(*args, num_splits=None, blocks=None, norm_gate=None):
                        kernel="gluon")
 
 
-# (head_dim, page): the Gluon tiles tried (BLOCK_M, BLOCK_N, warps, stages)
+# head_dim -> the Gluon tiles tried (BLOCK_M, BLOCK_N, warps, stages)
 TILES = {128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2)],
          256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 8, 2)]}  # (page 32: 32-key blocks)
 SPLITS = (1, 2, 3, 4, 5, 6, 8, 11, 16)

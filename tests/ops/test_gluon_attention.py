@@ -19,7 +19,7 @@ def _bf16(args):
 
 def test_gluon_is_taken_only_where_it_can_run(monkeypatch):
     """`_gluon_tiles`: bf16, Hopper (capability 9: its warpgroup MMA is not on Blackwell), a head size it
-    has tiles for, pages a multiple of its key block, with ``GLUON`` and ``FAST_SILU`` on."""
+    has tiles for, pages a multiple of its key block, with ``GLUON``, ``TMA`` and ``FAST_SILU`` on."""
     cuda = torch.device("cuda", 0)
     assert tri._gluon_tiles(128, torch.bfloat16, 128, CPU) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -34,12 +34,16 @@ def test_gluon_is_taken_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(tri, "GLUON", False)
     assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
     monkeypatch.setattr(tri, "GLUON", True)
+    monkeypatch.setattr(tri, "TMA", False)  # (its loads are TMA loads)
+    assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
+    monkeypatch.setattr(tri, "TMA", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) is None
 
 
 def _spy_kernels(monkeypatch) -> list:
-    """Record which kernel each launch reaches (``"gluon"`` / ``"triton"``) instead of running it."""
+    """Record which kernel each launch reaches (``("gluon", its tiles)`` / ``"triton"``) instead of
+    running it."""
     from gr_plugin.ops.triton import hstu_gluon
 
     took = []
@@ -48,7 +52,7 @@ def _spy_kernels(monkeypatch) -> list:
         def __getitem__(self, grid):
             return lambda *a, **kw: took.append("triton")
 
-    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append("gluon"))
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(("gluon", a[-1])))
     monkeypatch.setattr(tri, "_hstu_fwd", Triton())
     return took
 
@@ -63,13 +67,16 @@ def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
         run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
     from gr_plugin.ops.triton import hstu_gluon
 
-    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)  # (as on a Hopper GPU: the SiLU check next)
-    with pytest.raises(ValueError, match="the exact one asked"):
-        run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "fast": False})
-    monkeypatch.setattr(tri, "FAST_SILU", False)
-    with pytest.raises(ValueError, match="the exact one asked"):
-        run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(hstu_gluon, "supported", lambda *a: None)  # (as on a Hopper GPU: the options' checks next)
+        with pytest.raises(ValueError, match="the exact one asked"):
+            run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "fast": False})
+        for option in ({"tma": False}, {"warp_specialize": True}):
+            with pytest.raises(ValueError, match="no form without TMA loads or with warp specialisation"):
+                run(tri, "paged", {**_bf16(paged), "kernel": "gluon", **option})
+        m.setattr(tri, "FAST_SILU", False)
+        with pytest.raises(ValueError, match="the exact one asked"):
+            run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
     with pytest.raises(ValueError, match="paged split grid only"):
         run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "schedule": "stream"})
     with pytest.raises(ValueError, match="kernel must be None, 'triton' or 'gluon', got 'cuda'"):
@@ -77,27 +84,40 @@ def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
     assert took == []
 
 
-def test_only_a_launch_naming_no_options_takes_gluon(monkeypatch):
-    """Where the Gluon kernel could run (here: as if on Hopper, capturing), a launch naming no options
-    takes it; one naming tiles, a TMA setting, stream-K, warp specialisation, the exact SiLU or the
-    Triton kernel keeps the Triton kernel, as does any launch with ``GLUON`` off or the kernel refusing
-    its tensors; an eager launch (`_use_tma` false) keeps it too."""
+def test_auto_launch_takes_gluon_unless_a_triton_option_is_named(monkeypatch):
+    """Where the Gluon kernel could run (here: as if on Hopper, capturing), a launch naming none of the
+    Triton kernel's options takes it, on `_gluon_tiles`' tiles (a split count, the fast SiLU or
+    ``kernel="gluon"`` may be named); one naming tiles, a TMA setting, stream-K (asked or by
+    ``SCHEDULE``), warp specialisation, the exact SiLU or the Triton kernel keeps the Triton kernel, as
+    does one `_gluon_tiles` has no tiles for (e.g. ``GLUON`` off) or whose tensors the kernel refuses;
+    an eager launch (`_use_tma` false) keeps it too."""
     from gr_plugin.ops.triton import hstu_gluon
 
     took = _spy_kernels(monkeypatch)
     _, paged = build([300, 90], [3, 1], [200, 64], 64, 2, 64, torch.float32, "cpu")
     args = {**_bf16(paged), "num_splits": 1, "fast": True}  # (the fast SiLU: a CUDA bf16 launch's default)
     monkeypatch.setattr(tri, "_use_tma", lambda kv, page_size, block_n: True)
-    monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 3))
+    monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 4))
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
-    cases = [({}, "gluon"), ({"blocks": (64, 64, 4, 2)}, "triton"), ({"tma": False}, "triton"),
+    gluon = ("gluon", (64, 64, 4, 4))
+    cases = [({}, gluon), ({"blocks": (64, 64, 4, 2)}, "triton"), ({"tma": False}, "triton"),
              ({"tma": True}, "triton"), ({"schedule": "stream", "num_splits": None}, "triton"),
              ({"warp_specialize": True}, "triton"), ({"fast": False}, "triton"), ({"kernel": "triton"}, "triton"),
-             ({"kernel": "gluon"}, "gluon")]
+             ({"kernel": "gluon"}, ("gluon", (64, 64, 4, 3)))]  # (forced at head_dim 64: the default tiles)
     for extra, kernel in cases:
         took.clear()
         run(tri, "paged", {**args, **extra})
         assert took == [kernel], extra
+    with monkeypatch.context() as m:
+        m.setattr(tri, "SCHEDULE", "stream")
+        took.clear()
+        run(tri, "paged", {**args, "num_splits": None})
+        assert took == ["triton"]
+        m.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: None)
+        m.setattr(tri, "SCHEDULE", "split")
+        took.clear()
+        run(tri, "paged", args)
+        assert took == ["triton"]
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: "not these tensors")
     took.clear()
     run(tri, "paged", args)
@@ -128,14 +148,16 @@ def test_gluon_split_rule_takes_the_h200_sweeps_counts(monkeypatch):
     assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, True) == 11
     assert tri._gluon_splits(384, 1, 4, 384, 4096, tri.GLUON_TILES[128], 128, CPU, False) == \
         tri._splits(24, 4096, tri.GLUON_TILES[128], 128, 2, CPU, model=False)
-    other = (128, 64, 8, 2)  # tiles the constants were not fitted on: the one-wave rule
-    assert tri._gluon_splits(384, 1, 4, 384, 4096, other, 128, CPU, True) == \
-        tri._splits(12, 4096, other, 128, 2, CPU, model=False)
+    other = (128, 64, 8, 2)  # tiles the constants were not fitted on: the one-wave rule (2 here, 5 by the model)
+    assert tri._gluon_splits(384 * 8, 8, 4, 384, 16384, other, 128, CPU, True) == \
+        tri._splits(96, 16384, other, 128, 2, CPU, model=False) == 2
     assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == \
         tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU)  # no Gluon off CUDA
     monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: tri.GLUON_TILES[dim])
     assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == \
         ("gluon", tri.GLUON_TILES[128], 1)
+    monkeypatch.setattr(tri, "SCHEDULE", "stream")  # stream-K asked: no Gluon launch to key on
+    assert tri.paged_launch(384 * 8, 8, 4, 384, 4096, 128, torch.bfloat16, CPU, page_size=128) == ("stream",)
 
 
 def _need_hopper():

@@ -305,6 +305,22 @@ def test_gpu_graph_capture_takes_tma_loads_with_equal_results(monkeypatch):
     assert torch.equal(captured, eager)
 
 
+def test_tma_covers_only_tables_one_descriptor_can_read():
+    """`tma_covers` (the TMA loads of both attention kernels): a contiguous 16-bit table, one layer or
+    the whole ``[L, ...]`` table, with a 16-byte aligned base and fewer than 2^31 rows of ``H * D``."""
+    from gr_plugin.ops.triton import tma_covers
+
+    layer = torch.zeros(6, 2, 16, 2, 64, dtype=torch.bfloat16)
+    assert tma_covers(layer) and tma_covers(torch.zeros(3, *layer.shape, dtype=torch.float16))
+    assert not tma_covers(layer.float())  # 32-bit values
+    assert not tma_covers(layer[:0])  # no pages
+    assert not tma_covers(layer[:, :, ::2])  # not contiguous
+    flat = torch.zeros(layer.numel() + 1, dtype=torch.bfloat16)
+    assert not tma_covers(flat[1:].view(layer.shape))  # a base 2 bytes past an aligned one
+    rows = torch.empty(2 ** 24, 2, 128, 4, 128, dtype=torch.bfloat16, device="meta")  # (no memory) 2^32 rows
+    assert not tma_covers(rows) and tma_covers(rows[: 2 ** 22])  # 2^30 rows
+
+
 def replayed(fn):
     """``fn()``'s result as a CUDA graph gives it: captured on a side stream, replayed once."""
     stream = torch.cuda.Stream()

@@ -26,7 +26,7 @@ def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, .
     return layer * kv.shape[1], tuple(kv.stride()[1:5])
 
 
-def tma_table(kv: torch.Tensor) -> bool:
+def tma_covers(kv: torch.Tensor) -> bool:
     """Whether one TMA descriptor covers the paged table ``kv`` seen as rows of ``H * D`` elements
     (what the attention kernels' TMA loads read): contiguous 16-bit values, not empty, a 16-byte
     aligned base, fewer than 2^31 rows (the descriptor's coordinates are 32-bit)."""

@@ -12,8 +12,10 @@ skipped. Works under ``TRITON_INTERPRET=1`` on CPU tensors (fp32/fp16), which th
 Options of the paged form (`_launch`): full key blocks read through a TMA descriptor when the launch
 is captured into a CUDA graph on Hopper or newer (`_use_tma`), and a stream-K grid
 (``schedule="stream"``; measured slower than the default split grid on the H200, kept tested). On
-Hopper a captured bf16 launch naming no options takes the Gluon kernel of `hstu_gluon` instead (same
-grid and outputs, faster on the H200; `_gluon_tiles`), whose split rule this module keeps.
+Hopper a captured bf16 launch naming no tiles, TMA setting, stream-K, warp specialisation or exact SiLU
+takes the Gluon kernel of `hstu_gluon` instead (`_gluon_choice`; faster on the H200): the same split
+grid, mask and fp32 parts, its outputs within the project's error rule but not the Triton kernel's
+bits (the parts are summed in another split order). This module keeps its split rule.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import layer_norm, table_layout, tma_table
+from gr_plugin.ops.triton import layer_norm, table_layout, tma_covers
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -339,7 +341,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # rule, both settings) passed on the H200; GR_PLUGIN_FAST_SILU=0 turns it off.
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
 # GR_PLUGIN_ATTENTION_SCHEDULE=split|stream: the grid (`_launch`, default split); GR_PLUGIN_ATTENTION_TMA=0:
-# plain pointer loads everywhere.
+# plain pointer loads everywhere (the Triton kernel only: a launch naming kernel="gluon" keeps its TMA loads).
 SCHEDULE = os.environ.get("GR_PLUGIN_ATTENTION_SCHEDULE", "split")
 TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
 # GR_PLUGIN_ATTENTION_GLUON=0: the Triton kernel for graphed launches too (`_gluon_tiles`; GR_PLUGIN_ATTENTION_TMA=0,
@@ -602,15 +604,15 @@ def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
         return False
     if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return False
-    return tma_table(kv) and torch.cuda.get_device_capability(kv.device)[0] >= 9
+    return tma_covers(kv) and torch.cuda.get_device_capability(kv.device)[0] >= 9
 
 
 def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int, device: torch.device) -> tuple | None:
-    """The Gluon kernel's tiles (`GLUON_TILES`) where it takes a paged launch whose caller names no
-    options, once the launch is one `_use_tma` allows (captured into a CUDA graph, a contiguous table)
-    and the kernel takes its tensors (`hstu_gluon.supported`): ``GLUON``, ``TMA`` and ``FAST_SILU`` on,
-    bf16, Hopper (its warpgroup MMA), a head size it has tiles for and pages a multiple of their key
-    block; else None. `paged_launch` (a graph bucket's key) and `_launch` both ask it."""
+    """The static part of the choice of the Gluon kernel, which `paged_launch` (a graph bucket's key)
+    can ask without tensors: its tiles (`GLUON_TILES`) where ``GLUON``, ``TMA`` and ``FAST_SILU`` are
+    on, the dtype is bf16, the device Hopper (its warpgroup MMA), the head size one it has tiles for and
+    the pages a multiple of their key block; else None. `_gluon_choice` adds the launch's part
+    (`_use_tma`, `hstu_gluon.supported`, the caller's options)."""
     tiles = GLUON_TILES.get(dim)
     if not (GLUON and TMA and FAST_SILU and tiles and dtype == torch.bfloat16 and device.type == "cuda"
             and page_size % tiles[1] == 0):
@@ -628,6 +630,39 @@ def _gluon_splits(nq: int, bsz: int, heads: int, max_q_len: int, kv_len: int, ti
         wave = _num_sms(device) * _resident(tiles, dim, 2, device)
         return _best_count(n, max(kv_len, 1), tiles[1], wave, *consts)[1]
     return _splits(n, kv_len, tiles, dim, 2, device, model=False)
+
+
+def _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule) -> tuple | None:
+    """The Gluon kernel's tiles where this launch (`_launch`'s arguments) takes it, else None (the Triton
+    kernel). ``kernel="gluon"`` forces it, with ``blocks`` or `GLUON_TILES`' tiles, and is an error naming
+    why where it cannot run: not the paged split grid, ``tma=False`` or warp specialisation asked (it
+    has neither form), the exact SiLU asked, or tensors `hstu_gluon.supported` refuses. ``kernel=None``
+    takes it where the launch names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU,
+    `_use_tma` allows it (captured into a CUDA graph, a table one descriptor covers), `_gluon_tiles`
+    has tiles for it and `hstu_gluon.supported` takes the tensors (else Triton: e.g. a bf16 ``q`` on an
+    fp16 table)."""
+    if kernel == "triton" or (kernel is None and not paged):
+        return None
+    if kernel is None:
+        if blocks is not None or tma is not None or warp_specialize or not fast or schedule == "stream" \
+                or (schedule is None and SCHEDULE != "split") or not _use_tma(kv, kv.shape[-3], 1):
+            return None
+        tiles = _gluon_tiles(q.shape[2], q.dtype, kv.shape[-3], q.device)
+        if tiles is None:
+            return None
+    from gr_plugin.ops.triton import hstu_gluon
+
+    if kernel is None:
+        return tiles if hstu_gluon.supported(q, kv, tiles) is None else None
+    tiles = blocks if blocks is not None else GLUON_TILES.get(q.shape[2], (64, 64, 4, 3))
+    why = ("the paged split grid only" if not paged or schedule == "stream" else
+           "it has no form without TMA loads or with warp specialisation (tma=False / warp_specialize asked)"
+           if tma is False or warp_specialize else
+           hstu_gluon.supported(q, kv, tiles) or ("its SiLU is the fast one (the exact one asked)"
+                                                  if exact_silu else None))
+    if why is not None:
+        raise ValueError(f"the Gluon attention kernel cannot take this launch: {why}")
+    return tiles
 
 
 def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_splits, blocks, schedule,
@@ -669,10 +704,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     ``tight_kv_len``: whether ``max_kv_len`` is near the longest history, so that the split rule may
     weigh a program's work by it (`_makespan`); False where it is only a cap (the custom op's eager
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
-    count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`, paged split
-    grid only; ``blocks`` then names its tiles; a launch it cannot take is an error), ``"triton"``, or
-    None: the Gluon kernel where `_gluon_tiles`, `_use_tma` and `hstu_gluon.supported` allow it and
-    the caller names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU; else Triton."""
+    count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`; ``blocks``
+    then names its tiles; a launch it cannot take is an error), ``"triton"``, or None: see
+    `_gluon_choice`."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -693,25 +727,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     exact_silu = fast is False or (fast is None and not FAST_SILU)  # (asked for: the Gluon kernel has none)
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
-    gluon = kernel == "gluon"
-    if kernel is None and paged and blocks is None and tma is None and not warp_specialize and fast \
-            and schedule != "stream" and (schedule is not None or SCHEDULE == "split") \
-            and _use_tma(kv, kv.shape[-3], 1):
-        tiles = _gluon_tiles(dim, q.dtype, kv.shape[-3], q.device)
-        if tiles is not None:
-            from gr_plugin.ops.triton import hstu_gluon
-
-            gluon = hstu_gluon.supported(q, kv, tiles) is None  # (else Triton: e.g. a bf16 q on an fp16 table)
-    if gluon:
-        from gr_plugin.ops.triton import hstu_gluon
-
-        blocks = blocks if blocks is not None else GLUON_TILES.get(dim, (64, 64, 4, 3))
-        why = ("the paged split grid only" if not paged or schedule == "stream" else
-               hstu_gluon.supported(q, kv, blocks) or ("its SiLU is the fast one (the exact one asked)"
-                                                       if exact_silu else None))
-        if why is not None:
-            raise ValueError(f"the Gluon attention kernel cannot take this launch: {why}")
-        schedule = "split"
+    gluon = _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule)
+    if gluon is not None:
+        blocks, schedule = gluon, "split"
         if num_splits is None:
             num_splits = _gluon_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
                                        blocks, dim, q.device, tight_kv_len)
@@ -749,9 +767,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     else:
         page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
     if tma is None:
-        tma = paged and not gluon and _use_tma(kv, page_size, block_n)
+        tma = paged and gluon is None and _use_tma(kv, page_size, block_n)
     desc = None
-    if tma and not gluon:
+    if tma and gluon is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim])
@@ -762,7 +780,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     else:  # the stream-K arguments are unused: no new buffers, no sizes taken apart
         part, done = target, q_offsets
         grid, sizes, pads = (m_blocks * num_splits, bsz, heads), (0, 0, 0, num_splits), (1, 1)
-    if gluon:
+    if gluon is not None:
+        from gr_plugin.ops.triton import hstu_gluon
+
         hstu_gluon.launch(grid, q, k, v, target, kv, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, num_splits,
                           split_stride, strides, alpha, 1.0 / float(n_norm), blocks)
     else:

@@ -14,7 +14,7 @@ the tile's first split as a per-row weight, rounded as a block's weights are.
 H200 against the Triton kernel (docs/BENCHMARKS.md, `scripts/gpu/gluon_attention.py time`, graphed,
 the norm gate included, 4096 history; the tiles and split counts the package takes): bs 8 /
 head_dim 128 64.5 vs 87.6 µs, head_dim 256 bs 1 26.6 vs 40.6 and bs 8 149.5 vs 171.6; bs 1 / head_dim
-128 15.3 vs 15.6. Its outputs had the Triton kernel's error against an fp32 reference (within 2x) in
+128 15.3 vs 15.6. Its outputs were within 2x the Triton kernel's error against an fp32 reference in
 every case of `gluon_attention.py check`, and some were the Triton kernel's bits at equal split counts.
 """
 
@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gr_plugin.ops.triton import tma_table
+from gr_plugin.ops.triton import tma_covers
 
 
 @gluon.jit
@@ -225,6 +225,6 @@ def supported(q: torch.Tensor, kv: torch.Tensor, blocks) -> str | None:
         return f"head_dim 64, 128 or 256 only, got {q.shape[2]}"
     if kv.shape[-3] % block_n or block_m != 16 * warps:
         return f"pages a multiple of BLOCK_N and 16 query rows a warp only: page {kv.shape[-3]}, blocks {blocks}"
-    if not tma_table(kv):
-        return "a contiguous, 16-byte aligned table of fewer than 2^31 rows only (a TMA descriptor)"
+    if not tma_covers(kv):
+        return "a non-empty, contiguous, 16-byte aligned table of fewer than 2^31 rows only (one TMA descriptor)"
     return None
