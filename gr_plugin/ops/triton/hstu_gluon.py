@@ -10,7 +10,7 @@ history, so stale or NaN page slots never reach a sum). A candidate's own key an
 the tile's first split as a per-row weight, rounded as a block's weights are.
 
 `hstu_attention._launch` takes it for paged launches captured into a CUDA graph on Hopper in bf16
-(`hstu_attention._gluon_tiles`); it needs Hopper's ``wgmma`` (not on Blackwell). NOTE: measured on the
+(`hstu_attention._gluon_choice`); it needs Hopper's ``wgmma`` (not on Blackwell). NOTE: measured on the
 H200 against the Triton kernel (docs/BENCHMARKS.md, `scripts/gpu/gluon_attention.py time`, graphed,
 the norm gate included, 4096 history; the tiles and split counts the package takes): bs 8 /
 head_dim 128 64.5 vs 87.6 µs, head_dim 256 bs 1 26.6 vs 40.6 and bs 8 149.5 vs 171.6; bs 1 / head_dim
