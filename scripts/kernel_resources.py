@@ -89,7 +89,8 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
         def __getitem__(self, grid):
             return lambda *a, **kw: self.into.append((a, kw))
 
-    def use_tma(t, page_size, block_n):  # `_use_tma` as on the H200, capturing (graphed) or not
+    def use_tma(t, page_size=1, block_n=1):  # `_use_tma` as on the H200, capturing (graphed) or not
+        # (page_size / block_n: the form of older kernel files, --module, whose `_use_tma` took them)
         return graphed and mod.TMA and page_size % block_n == 0 and tma_covers(t)
 
     names = ("_hstu_fwd", "_sum_parts", "_shared_memory", "_num_sms", "_use_tma")

@@ -96,7 +96,7 @@ def test_auto_launch_takes_gluon_unless_a_triton_option_is_named(monkeypatch):
     took = _spy_kernels(monkeypatch)
     _, paged = build([300, 90], [3, 1], [200, 64], 64, 2, 64, torch.float32, "cpu")
     args = {**_bf16(paged), "num_splits": 1, "fast": True}  # (the fast SiLU: a CUDA bf16 launch's default)
-    monkeypatch.setattr(tri, "_use_tma", lambda kv, page_size, block_n: True)
+    monkeypatch.setattr(tri, "_use_tma", lambda kv: True)
     monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 4))
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     gluon = ("gluon", (64, 64, 4, 4))
@@ -122,7 +122,7 @@ def test_auto_launch_takes_gluon_unless_a_triton_option_is_named(monkeypatch):
     took.clear()
     run(tri, "paged", args)
     assert took == ["triton"]
-    monkeypatch.setattr(tri, "_use_tma", lambda kv, page_size, block_n: False)  # eager
+    monkeypatch.setattr(tri, "_use_tma", lambda kv: False)  # eager
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     took.clear()
     run(tri, "paged", args)

@@ -593,14 +593,15 @@ def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
     return ("stream",) if stream else (blocks, splits)
 
 
-def _use_tma(kv: torch.Tensor, page_size: int, block_n: int) -> bool:
-    """Whether the paged kernel reads full key blocks through a TMA descriptor: Hopper or newer, a
-    block within one page, a contiguous table of 16-bit values, and a launch being captured into a
-    CUDA graph. NOTE: measured on the H200 (docs/BENCHMARKS.md): graphed, the TMA loads take the
+def _use_tma(kv: torch.Tensor) -> bool:
+    """Whether a paged launch may read the table ``kv`` through a TMA descriptor: Hopper or newer, a
+    table one descriptor covers (`tma_covers`), and a launch being captured into a CUDA graph; the
+    Triton kernel also needs its key blocks within one page (`_launch`), the Gluon one more
+    (`_gluon_choice`). NOTE: measured on the H200 (docs/BENCHMARKS.md): graphed, the TMA loads take the
     paged kernel from 0.094 to 0.092 ms at bs 8 / head_dim 128 and from 0.201 to 0.179 ms at
     head_dim 256; but building the descriptor costs the host ~30 us per eager launch, more than the
     kernel gains, so eager launches keep plain pointers. A traced kernel (Inductor) keeps them too."""
-    if not (kv.is_cuda and type(kv) is torch.Tensor and TMA and page_size % block_n == 0):
+    if not (kv.is_cuda and type(kv) is torch.Tensor and TMA):
         return False
     if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return False
@@ -632,20 +633,22 @@ def _gluon_splits(nq: int, bsz: int, heads: int, max_q_len: int, kv_len: int, ti
     return _splits(n, kv_len, tiles, dim, 2, device, model=False)
 
 
-def _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule) -> tuple | None:
+def _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule,
+                  tma_ok) -> tuple | None:
     """The Gluon kernel's tiles where this launch (`_launch`'s arguments) takes it, else None (the Triton
     kernel). ``kernel="gluon"`` forces it, with ``blocks`` or `GLUON_TILES`' tiles, and is an error naming
     why where it cannot run: not the paged split grid, ``tma=False`` or warp specialisation asked (it
     has neither form), the exact SiLU asked, or tensors `hstu_gluon.supported` refuses. ``kernel=None``
     takes it where the launch names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU,
-    `_use_tma` allows it (captured into a CUDA graph, a table one descriptor covers), `_gluon_tiles`
+    ``tma_ok`` (`_launch`'s `_use_tma` of the table: captured into a CUDA graph, a table one descriptor
+    covers), `_gluon_tiles`
     has tiles for it and `hstu_gluon.supported` takes the tensors (else Triton: e.g. a bf16 ``q`` on an
     fp16 table)."""
     if kernel == "triton" or (kernel is None and not paged):
         return None
     if kernel is None:
         if blocks is not None or tma is not None or warp_specialize or not fast or schedule == "stream" \
-                or (schedule is None and SCHEDULE != "split") or not _use_tma(kv, kv.shape[-3], 1):
+                or (schedule is None and SCHEDULE != "split") or not tma_ok:
             return None
         tiles = _gluon_tiles(q.shape[2], q.dtype, kv.shape[-3], q.device)
         if tiles is None:
@@ -666,12 +669,12 @@ def _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exac
 
 
 def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_splits, blocks, schedule,
-          tight_kv_len):
+          tight_kv_len, gluon=False):
     """``(blocks, stream, num_splits)`` of a launch (`_launch`'s arguments): the tiles where the
     caller names none (`_launch_blocks` where the split rule picks the count, else `_blocks`), the
     schedule (``schedule``, or ``SCHEDULE`` where none is named: stream-K while its tiles' table
     fits, else the split grid) and the split count (1 for stream-K; `_default_splits` where none is
-    named)."""
+    named, `_gluon_splits` for a ``gluon`` launch, whose tiles ``blocks`` names)."""
     want_stream = schedule == "stream" or (schedule is None and SCHEDULE == "stream" and paged and num_splits is None)
     kv_len = max_kv_len if max_kv_len is not None else max_q_len
     if blocks is None:  # the few-tile blocks only where the split rule picks the count
@@ -687,6 +690,8 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
                          f"(padded to powers of two) exceed {_STREAM_TILES}; use schedule='split'")
     if stream:
         num_splits = 1
+    elif num_splits is None and gluon:
+        num_splits = _gluon_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, device, tight_kv_len)
     elif num_splits is None:
         num_splits = _default_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, dtype.itemsize, device,
                                      model=paged and tight_kv_len)
@@ -727,19 +732,18 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     exact_silu = fast is False or (fast is None and not FAST_SILU)  # (asked for: the Gluon kernel has none)
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
-    gluon = _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule)
+    # (whether a captured launch may read the table through TMA: asked once, each kernel adds its own terms)
+    tma_ok = paged and tma is None and _use_tma(kv)
+    gluon = _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule, tma_ok)
     if gluon is not None:
         blocks, schedule = gluon, "split"
-        if num_splits is None:
-            num_splits = _gluon_splits(nq, bsz, heads, max_q_len, max_kv_len if max_kv_len is not None else max_q_len,
-                                       blocks, dim, q.device, tight_kv_len)
     # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8, head_dim
     # 128, graphed 0.104 vs 0.092 ms; even one program per tile, nothing cut, 0.103), so it runs only
     # where asked for. Sizes are taken apart only where the split rule or stream-K's bound needs them
     # (`_plan`: `_launch_blocks`, `_default_splits`): a traced launch names num_splits=1 and may hold
     # symbolic ones.
     blocks, stream, num_splits = _plan(nq, bsz, heads, dim, q.dtype, q.device, max_q_len, max_kv_len, paged,
-                                       num_splits, blocks, schedule, tight_kv_len)
+                                       num_splits, blocks, schedule, tight_kv_len, gluon=gluon is not None)
     block_m, block_n, warps, stages = blocks
     m_blocks = _cdiv(max(max_q_len, 1), block_m)
     if stream:
@@ -767,7 +771,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     else:
         page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
     if tma is None:
-        tma = paged and gluon is None and _use_tma(kv, page_size, block_n)
+        tma = tma_ok and gluon is None and page_size % block_n == 0
     desc = None
     if tma and gluon is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
