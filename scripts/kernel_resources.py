@@ -19,7 +19,9 @@ triton/hstu_attention.py > /tmp/k.py``; the helpers it imports come from this tr
 variant with the package's; ``--launch KEY=VALUE``: extra launch arguments (an int, True/False, a
 tuple of ints, or a string), e.g. ``append=True`` where that module takes it, or
 ``blocks=64,64,8,2`` (the tiles: BLOCK_M, BLOCK_N, warps, stages); ``kernel=gluon``: the Gluon kernel
-(`gr_plugin.ops.triton.hstu_gluon`, which the H200 takes for graphed launches), graphed only.
+(`gr_plugin.ops.triton.hstu_gluon`, which the H200 takes for graphed launches), graphed only;
+``full=True``: the full pass's launch (`hstu_attention_jagged`: the history and the candidates, every
+token a query) instead of the cached step's.
 
 Approximations: the index tensors are fresh CPU tensors (16-byte aligned); a graph bucket packs its
 index fields into one buffer, where ``kv_indptr`` may start unaligned (one scalar load; the
@@ -89,9 +91,10 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
         def __getitem__(self, grid):
             return lambda *a, **kw: self.into.append((a, kw))
 
-    def use_tma(t, page_size=1, block_n=1):  # `_use_tma` as on the H200, capturing (graphed) or not
-        # (page_size / block_n: the form of older kernel files, --module, whose `_use_tma` took them)
-        return graphed and mod.TMA and page_size % block_n == 0 and tma_covers(t)
+    def use_tma(t, *form):  # `_use_tma` as on the H200, capturing (graphed) or not: (table or None, q);
+        # (table, page_size, block_n) or (table,) in older kernel files (--module)
+        page_ok = len(form) != 2 or form[0] % form[1] == 0
+        return graphed and mod.TMA and page_ok and (t is None or tma_covers(t))
 
     names = ("_hstu_fwd", "_sum_parts", "_shared_memory", "_num_sms", "_use_tma")
     saved = {n: getattr(mod, n) for n in names}
@@ -102,8 +105,15 @@ def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dic
     hstu_gluon._paged_fwd, hstu_gluon.supported = Capture(seen), (lambda *a: None)
     try:
         launch = {"fast": True, **extra}  # (the H200's default SiLU; --launch may override it)
-        mod.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, hist, q_offsets, new, alpha=0.1, n_norm=4096.0,
-                                 max_q_len=qlen, max_history_len=HIST, num_history_tokens=bs * HIST, **launch)
+        if launch.pop("full", False):  # the full pass: every token of a 4096 history and the candidates a query
+            fq, fk, fv = (torch.empty(bs * (HIST + CANDS), HEADS, dim, **bf16) for _ in range(3))
+            seq_offsets = torch.arange(0, bs * (HIST + CANDS) + 1, HIST + CANDS, **i64)
+            mod.hstu_attention_jagged(fq, fk, fv, seq_offsets, torch.full((bs,), CANDS, **i64), alpha=0.1,
+                                      n_norm=4096.0, max_seq_len=HIST + CANDS, **launch)
+        else:
+            mod.paged_hstu_attention(q, k, v, kv, kv_indices, kv_indptr, hist, q_offsets, new, alpha=0.1,
+                                     n_norm=4096.0, max_q_len=qlen, max_history_len=HIST,
+                                     num_history_tokens=bs * HIST, **launch)
     finally:
         for n, f in saved.items():
             setattr(mod, n, f)

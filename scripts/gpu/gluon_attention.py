@@ -1,15 +1,18 @@
 """The paged attention's Gluon kernel (`gr_plugin.ops.triton.hstu_gluon`) side by side with the Triton
 kernel (`gr_plugin.ops.triton.hstu_attention`), on the GPU.
 
-python3 scripts/gpu/gluon_attention.py [check|time [DIM,PAGE,BS ...]|grid] -> ``check``: every tile of `TILES`
+python3 scripts/gpu/gluon_attention.py [check|time [DIM,PAGE,BS ...]|grid|full] -> ``check``: every tile of `TILES`
 at split counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton
 kernel's error (partial last pages with NaN in every slot no history holds); ``time``: graphed µs (the
 norm gate included, min over interleaved rounds) of the Triton kernel's launch, the package's Gluon
 launch, and each tile at each split count of `SPLITS`, at the block's shapes (4096 history, 128 new +
 256 candidates, 4 heads) or the cases named; ``grid``: the package's Gluon tiles at each split count
 of `SPLITS` over histories 1024 / 4096 / 16384 and bs 1-32, as JSON lines in $OUT/gluon_grid.jsonl
-(`scripts/fit_makespan.py` fits the split rule to them). Registers and local memory without a GPU:
-``python scripts/kernel_resources.py --launch kernel=gluon``.
+(`scripts/fit_makespan.py` fits the split rule to them); ``full``: the full pass (`hstu_attention_jagged`,
+the block's 4096 history + 256 candidates) on the Gluon kernel, each tile of `FULL_TILES` against an fp32
+reference next to the Triton kernel's error, then graphed µs of the Triton launch and each tile with the
+query tiles heaviest first (the package's order) and in order. Registers and local memory without a GPU:
+``python scripts/kernel_resources.py --launch kernel=gluon [full=True]``.
 """
 
 from __future__ import annotations
@@ -149,10 +152,93 @@ def grid(rounds: int = 2) -> None:
     sink.close()
 
 
+# head_dim -> the Gluon tiles tried for the full pass
+FULL_TILES = {128: [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
+              256: [(64, 32, 4, 4), (64, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)]}
+
+
+def _full_case(bs, hist, cands, dim, seed=0):
+    """The full pass's inputs as the model makes them: ``q, k, v`` views of one ``[T, 4 H D]`` projection."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [hist + cands] * bs
+    t = sum(lens)
+    uvqk = torch.randn(t, 4 * 4 * dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    _, v, q, k = (x.reshape(t, 4, dim) for x in uvqk.chunk(4, dim=-1))
+    offsets = torch.tensor([0, *lens], device="cuda", dtype=torch.int64).cumsum(0)
+    return q, k, v, offsets, torch.full((bs,), cands, device="cuda", dtype=torch.int64), max(lens)
+
+
+def _full(q, k, v, offsets, cands, max_len, **kw):
+    return tri.hstu_attention_jagged(q, k, v, offsets, cands, alpha=0.1, n_norm=4096.0, max_seq_len=max_len, **kw)
+
+
+class _InOrder:
+    """Within it, the Gluon launches run the query tiles in order (not heaviest first)."""
+
+    def __enter__(self):
+        from gr_plugin.ops.triton import hstu_gluon
+
+        self.real = real = hstu_gluon.launch
+        hstu_gluon.launch = lambda *a: real(*a, heavy_first=False)
+
+    def __exit__(self, *exc):
+        from gr_plugin.ops.triton import hstu_gluon
+
+        hstu_gluon.launch = self.real
+
+
+def full(rounds: int = 2) -> None:
+    """The full pass on the Gluon kernel: errors against fp32, then graphed µs against the Triton kernel."""
+    from gr_plugin.ops.pytorch import hstu_attention as ref_ops
+
+    for dim, bs, hist, cands in ((128, 2, 1000, 37), (128, 3, 300, 1), (256, 2, 700, 64), (64, 2, 500, 20)):
+        q, k, v, off, cn, ml = _full_case(bs, hist, cands, dim)
+        ref = ref_ops.hstu_attention_jagged(q.float(), k.float(), v.float(), off, cn, alpha=0.1, n_norm=4096.0,
+                                            max_seq_len=ml)
+        tri_err = (_full(q, k, v, off, cn, ml, kernel="triton").float() - ref).abs().max().item()
+        for bl in FULL_TILES.get(dim, [(64, 64, 4, 3)]):
+            for sp in (None, 2):
+                out = _full(q, k, v, off, cn, ml, kernel="gluon", blocks=bl, num_splits=sp)
+                with _InOrder():
+                    same = torch.equal(out, _full(q, k, v, off, cn, ml, kernel="gluon", blocks=bl, num_splits=sp))
+                err = (out.float() - ref).abs().max().item()
+                ok = err <= 2 * tri_err + 1e-6 and torch.isfinite(out).all().item() and same
+                print(f"full check d{dim} bs{bs} hist{hist}+{cands} {bl} splits={sp}: gluon err {err:.2e}, triton err "
+                      f"{tri_err:.2e}, in order equal {same} {'ok' if ok else 'FAIL'}", flush=True)
+    for dim in (128, 256):
+        for bs in (1, 2, 8):
+            case = _full_case(bs, 4096, 256, dim)
+            fns = {"triton": lambda case=case: _full(*case, kernel="triton"),
+                   "gluon, the package's tiles": lambda case=case: _full(*case, kernel="gluon")}
+            for bl in FULL_TILES[dim]:
+                fns[f"gluon {bl}"] = lambda bl=bl, case=case: _full(*case, kernel="gluon", blocks=bl)
+
+                def in_order(bl=bl, case=case):
+                    with _InOrder():
+                        return _full(*case, kernel="gluon", blocks=bl)
+
+                fns[f"gluon {bl} in order"] = in_order
+            best = {}
+            for _ in range(rounds):
+                for label, fn in list(fns.items()):
+                    try:
+                        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    except Exception as e:  # a tile that does not compile or fit is reported
+                        print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
+                        del fns[label]
+                        continue
+                    best[label] = min(best.get(label, float("inf")), ms)
+            print(f"full time d{dim} bs{bs} 4096+256 (graphed µs, min of {rounds} rounds):", flush=True)
+            for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
+                print(f"   {ms * 1000:9.1f}  {label}", flush=True)
+            del case, fns
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if mode == "time" and len(sys.argv) > 2:  # ``time DIM,PAGE,BS ...``: those cases only
         time_all(tuple(tuple(int(x) for x in c.split(",")) for c in sys.argv[2:]))
     else:
-        {"check": check, "time": time_all, "grid": grid}[mode]()
+        {"check": check, "time": time_all, "grid": grid, "full": full}[mode]()

@@ -77,7 +77,7 @@ def test_gluon_refuses_a_launch_it_cannot_take(monkeypatch):
         m.setattr(tri, "FAST_SILU", False)
         with pytest.raises(ValueError, match="the exact one asked"):
             run(tri, "paged", {**_bf16(paged), "kernel": "gluon"})
-    with pytest.raises(ValueError, match="paged split grid only"):
+    with pytest.raises(ValueError, match="the split grid only"):
         run(tri, "paged", {**_bf16(paged), "kernel": "gluon", "schedule": "stream"})
     with pytest.raises(ValueError, match="kernel must be None, 'triton' or 'gluon', got 'cuda'"):
         run(tri, "paged", {**paged, "kernel": "cuda"})
@@ -96,7 +96,7 @@ def test_auto_launch_takes_gluon_unless_a_triton_option_is_named(monkeypatch):
     took = _spy_kernels(monkeypatch)
     _, paged = build([300, 90], [3, 1], [200, 64], 64, 2, 64, torch.float32, "cpu")
     args = {**_bf16(paged), "num_splits": 1, "fast": True}  # (the fast SiLU: a CUDA bf16 launch's default)
-    monkeypatch.setattr(tri, "_use_tma", lambda kv: True)
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, q=None: True)
     monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 4))
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     gluon = ("gluon", (64, 64, 4, 4))
@@ -122,11 +122,79 @@ def test_auto_launch_takes_gluon_unless_a_triton_option_is_named(monkeypatch):
     took.clear()
     run(tri, "paged", args)
     assert took == ["triton"]
-    monkeypatch.setattr(tri, "_use_tma", lambda kv: False)  # eager
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, q=None: False)  # eager
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     took.clear()
     run(tri, "paged", args)
     assert took == ["triton"]
+
+
+def test_full_pass_takes_gluon_only_where_it_can_run(monkeypatch):
+    """The full pass (`hstu_attention_jagged`) on the Gluon kernel: `_gluon_tiles` gives `GLUON_FULL_TILES`
+    (no page size) unless ``GLUON_FULL`` is off, which leaves the paged launches theirs; a captured
+    launch naming no Triton option takes it (the one-wave split rule), an eager one, one naming tiles
+    or one whose keys no TMA descriptor covers keeps the Triton kernel, which never reads the full
+    pass through TMA."""
+    from gr_plugin.ops.triton import hstu_gluon
+
+    cuda = torch.device("cuda", 0)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert tri._gluon_tiles(128, torch.bfloat16, None, cuda) == tri.GLUON_FULL_TILES[128]
+        assert tri._gluon_tiles(256, torch.bfloat16, None, cuda) == tri.GLUON_FULL_TILES[256]
+        m.setattr(tri, "GLUON_FULL", False)
+        assert tri._gluon_tiles(128, torch.bfloat16, None, cuda) is None
+        assert tri._gluon_tiles(128, torch.bfloat16, 128, cuda) == tri.GLUON_TILES[128]
+    took = []
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a, **kw: took.append(("gluon", a[5] is None, a[-1], a[12])))
+
+    class Triton:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: took.append(("triton", kw["TMA"]))
+
+    monkeypatch.setattr(tri, "_hstu_fwd", Triton())
+    jag, _ = build([300, 90, 0], [3, 1, 7], [0, 0, 0], 64, 2, 64, torch.float32, "cpu")
+    args = {**_bf16(jag), "fast": True}
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, q=None: kv is None)  # (capturing; the table case unused)
+    monkeypatch.setattr(tri, "_gluon_tiles", lambda dim, dtype, page, device: (64, 64, 4, 2) if page is None else None)
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
+    run(tri, "jagged", args)
+    assert took == [("gluon", True, (64, 64, 4, 2), 1)]  # (a full pass, its tiles, one split: 12 programs here)
+    for extra in ({"blocks": (64, 64, 4, 2)}, {"kernel": "triton"}, {"tma": False}):
+        took.clear()
+        run(tri, "jagged", {**args, **extra})
+        assert took == [("triton", False)], extra
+    took.clear()
+    run(tri, "jagged", {**args, "kernel": "gluon", "num_splits": 3})
+    assert took == [("gluon", True, tri.GLUON_FULL_TILES.get(64, (64, 64, 4, 3)), 3)]
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: "not these keys")
+    took.clear()
+    run(tri, "jagged", args)
+    assert took == [("triton", False)]
+    with pytest.raises(ValueError, match="cannot take this launch: not these keys"):
+        run(tri, "jagged", {**args, "kernel": "gluon"})
+    monkeypatch.setattr(tri, "_use_tma", lambda kv, q=None: False)  # eager
+    monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
+    took.clear()
+    run(tri, "jagged", args)
+    assert took == [("triton", False)]
+
+
+def test_tma_covers_rows_takes_the_models_projections_only():
+    """`tma_covers_rows`: the ``q``/``k``/``v`` views the layer's projection makes (chunks of one ``[T, 4 H D]``
+    tensor) and contiguous ``[T, H, D]`` tensors; not heads apart, fp32, a row stride or base off 16 bytes,
+    or no rows."""
+    from gr_plugin.ops.triton import tma_covers_rows
+
+    uvqk = torch.zeros(10, 4 * 4 * 32, dtype=torch.bfloat16)
+    assert all(tma_covers_rows(x.reshape(10, 4, 32)) for x in uvqk.chunk(4, dim=-1))
+    assert tma_covers_rows(torch.zeros(10, 4, 32, dtype=torch.bfloat16))
+    assert not tma_covers_rows(torch.zeros(10, 4, 40, dtype=torch.bfloat16)[..., :32])  # heads apart
+    assert not tma_covers_rows(torch.zeros(10, 32, 4, dtype=torch.bfloat16).transpose(1, 2))  # values apart
+    assert not tma_covers_rows(torch.zeros(10, 4, 32))  # fp32
+    assert not tma_covers_rows(torch.zeros(10, 4 * 32 + 4, dtype=torch.bfloat16)[:, :128].reshape(10, 4, 32))
+    assert not tma_covers_rows(torch.zeros(10 * 128 + 4, dtype=torch.bfloat16)[4:].view(10, 4, 32))  # base
+    assert not tma_covers_rows(torch.zeros(0, 4, 32, dtype=torch.bfloat16))
 
 
 # (head_dim, history, bs) -> the split count that measured fastest for the Gluon tiles on the H200
@@ -222,3 +290,69 @@ def test_gpu_graphed_launch_takes_gluon_with_an_eager_launchs_bits(monkeypatch):
     captured = replayed(lambda: run(tri, "paged", args))
     assert took == [tri.GLUON_TILES[128]]
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_gluon_full_pass_error_within_twice_the_torch_reference(dim, seed, splits):
+    """The full pass on the Gluon kernel (every history token and candidate a query, keys read from ``k`` /
+    ``v``): random jagged batches (no history for one user, 1-70 candidates), keys and values as the
+    layer's projection makes them (views of one tensor): error against an fp32 reference at most 2x the
+    bf16 torch reference's; the same bits on a second run and with the query tiles in order."""
+    _need_hopper()
+    from gr_plugin.ops.triton import hstu_gluon
+
+    g = torch.Generator().manual_seed(seed)
+    bsz = 4
+    hist = torch.randint(0, 700, (bsz,), generator=g).tolist()
+    hist[1] = 0
+    cand = torch.randint(1, 70, (bsz,), generator=g).tolist()
+    jag, _ = build(hist, cand, [0] * bsz, 64, 4, dim, torch.float32, "cuda", seed)
+    exact = run(ref, "jagged", jag, torch.float32)
+    torch_low = run(ref, "jagged", jag, torch.bfloat16).float()
+    t = jag["q"].shape[0]
+    uvqk = torch.empty(t, 4, 4 * dim, dtype=torch.bfloat16, device="cuda")
+    for i, name in enumerate(("q", "k", "v"), start=1):
+        uvqk[:, i] = jag[name].flatten(1)
+    views = {name: uvqk[:, i].view(t, 4, dim) for i, name in enumerate(("q", "k", "v"), start=1)}
+    args = {**jag, **views, "kernel": "gluon", "num_splits": splits}
+    got = run(tri, "jagged", args)
+    assert not got.isnan().any()
+    err, err_torch = (got.float() - exact).abs().max().item(), (torch_low - exact).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    assert torch.equal(run(tri, "jagged", args), got)
+    real = hstu_gluon.launch
+    try:
+        hstu_gluon.launch = lambda *a: real(*a, heavy_first=False)
+        assert torch.equal(run(tri, "jagged", args), got)
+    finally:
+        hstu_gluon.launch = real
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_full_pass_takes_gluon_with_an_eager_launchs_bits(monkeypatch):
+    """Captured into a CUDA graph on Hopper, a bf16 full pass naming no tiles takes the Gluon kernel on
+    `GLUON_FULL_TILES`, with the bits of the same kernel launched eagerly; keys whose heads lie apart (no
+    TMA descriptor covers them) keep the Triton kernel, and a forced Gluon launch on them names why."""
+    _need_hopper()
+    from gr_plugin.ops.triton import hstu_gluon
+
+    took = []
+    real = hstu_gluon.launch
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    jag, _ = build([1500, 700, 300], [40, 9, 64], [0, 0, 0], 128, 4, 128, torch.float32, "cuda", 7)
+    args = _bf16(jag)
+    eager = run(tri, "jagged", {**args, "kernel": "gluon"})
+    took.clear()
+    captured = replayed(lambda: run(tri, "jagged", args))
+    assert took == [tri.GLUON_FULL_TILES[128]]
+    assert torch.equal(captured, eager)
+    apart = torch.zeros(*args["k"].shape[:2], 136, dtype=torch.bfloat16, device="cuda")[..., :128]  # heads 136 apart
+    apart.copy_(args["k"])
+    took.clear()
+    replayed(lambda: run(tri, "jagged", {**args, "k": apart}))
+    assert took == []
+    with pytest.raises(ValueError, match="keys and values one TMA descriptor covers only"):
+        run(tri, "jagged", {**args, "k": apart, "kernel": "gluon"})

@@ -54,3 +54,12 @@ def test_gluon_attention_compiles_for_the_h200_without_spills():
     assert len(got) == 4, got  # graphed only
     for dim, regs, local in got:
         assert local == 0 and regs <= GLUON_BUDGET[dim], got
+
+
+def test_gluon_full_pass_compiles_for_the_h200_without_spills():
+    """The full pass's launch on the Gluon kernel (`GLUON_FULL_TILES`: the keys and values from ``k`` / ``v``,
+    160 registers at head_dim 128 and 252 at 256 when this test was written)."""
+    got = _compiled("--launch", "kernel=gluon", "full=True", "--cases", "128,128,1", "128,128,8", "256,32,8")
+    assert len(got) == 3, got
+    for dim, regs, local in got:
+        assert local == 0 and regs <= GLUON_BUDGET[dim], got

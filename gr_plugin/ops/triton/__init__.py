@@ -32,3 +32,12 @@ def tma_covers(kv: torch.Tensor) -> bool:
     aligned base, fewer than 2^31 rows (the descriptor's coordinates are 32-bit)."""
     return (kv.is_contiguous() and kv.dtype.itemsize == 2 and kv.numel() > 0 and kv.data_ptr() % 16 == 0
             and kv.numel() // kv.stride(-3) < 2 ** 31)
+
+
+def tma_covers_rows(t: torch.Tensor) -> bool:
+    """Whether one TMA descriptor covers keys or values ``t [T, H, D]`` seen as ``T`` rows of ``H * D``
+    elements (the full pass's loads in the Gluon kernel): 16-bit values, heads packed (``D`` apart, the
+    last dimension contiguous), rows and base 16-byte aligned, ``0 < T < 2^31``."""
+    return (t.dim() == 3 and t.dtype.itemsize == 2 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            and 0 < t.shape[0] < 2 ** 31 and t.shape[1] * t.shape[2] > 0 and t.stride(0) % 8 == 0
+            and t.data_ptr() % 16 == 0)

@@ -347,6 +347,9 @@ TMA = os.environ.get("GR_PLUGIN_ATTENTION_TMA", "1") == "1"
 # GR_PLUGIN_ATTENTION_GLUON=0: the Triton kernel for graphed launches too (`_gluon_tiles`; GR_PLUGIN_ATTENTION_TMA=0,
 # which the Gluon kernel's loads need, turns it off as well).
 GLUON = os.environ.get("GR_PLUGIN_ATTENTION_GLUON", "1") == "1"
+# GR_PLUGIN_ATTENTION_GLUON_FULL=0: the full pass's graphed launches keep the Triton kernel (the paged ones still
+# take the Gluon kernel); the block bench's recompute baseline side by side with both kernels.
+GLUON_FULL = os.environ.get("GR_PLUGIN_ATTENTION_GLUON_FULL", "1") == "1"
 # NOTE: the Gluon kernel's tiles (`hstu_gluon`) per head_dim, and its split rule's makespan constants
 # (`_makespan`'s model: µs per history key of a program's query tile, µs per program). Measured on the
 # H200 (`scripts/gpu/gluon_attention.py time` and `grid`, graphed, the norm gate included;
@@ -356,6 +359,9 @@ GLUON = os.environ.get("GR_PLUGIN_ATTENTION_GLUON", "1") == "1"
 # Keyed by (head_dim, tiles): other tiles (``kernel="gluon"`` naming them) take the one-wave rule.
 GLUON_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 GLUON_MAKESPAN = {(128, (64, 64, 4, 3)): (0.01172, 7.62), (256, (64, 32, 4, 4)): (0.01983, 8.14)}
+# the Gluon kernel's tiles for the full pass (keys and values read from the step's own k / v, the query tiles
+# heaviest first), per head_dim; their split count is the one-wave rule's (`_plan`)
+GLUON_FULL_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 
 
 def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
@@ -593,30 +599,34 @@ def paged_launch(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: int,
     return ("stream",) if stream else (blocks, splits)
 
 
-def _use_tma(kv: torch.Tensor) -> bool:
+def _use_tma(kv: torch.Tensor | None, q: torch.Tensor | None = None) -> bool:
     """Whether a paged launch may read the table ``kv`` through a TMA descriptor: Hopper or newer, a
     table one descriptor covers (`tma_covers`), and a launch being captured into a CUDA graph; the
     Triton kernel also needs its key blocks within one page (`_launch`), the Gluon one more
-    (`_gluon_choice`). NOTE: measured on the H200 (docs/BENCHMARKS.md): graphed, the TMA loads take the
+    (`_gluon_choice`). ``kv`` None: whether a full-pass launch of ``q`` may (the Gluon kernel's loads;
+    `hstu_gluon.supported` checks its keys and values). NOTE: measured on the H200
+    (docs/BENCHMARKS.md): graphed, the TMA loads take the
     paged kernel from 0.094 to 0.092 ms at bs 8 / head_dim 128 and from 0.201 to 0.179 ms at
     head_dim 256; but building the descriptor costs the host ~30 us per eager launch, more than the
     kernel gains, so eager launches keep plain pointers. A traced kernel (Inductor) keeps them too."""
-    if not (kv.is_cuda and type(kv) is torch.Tensor and TMA):
+    t = kv if kv is not None else q
+    if not (t.is_cuda and type(t) is torch.Tensor and TMA):
         return False
     if torch.compiler.is_compiling() or not torch.cuda.is_current_stream_capturing():
         return False
-    return tma_covers(kv) and torch.cuda.get_device_capability(kv.device)[0] >= 9
+    return (kv is None or tma_covers(kv)) and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int, device: torch.device) -> tuple | None:
+def _gluon_tiles(dim: int, dtype: torch.dtype, page_size: int | None, device: torch.device) -> tuple | None:
     """The static part of the choice of the Gluon kernel, which `paged_launch` (a graph bucket's key)
     can ask without tensors: its tiles (`GLUON_TILES`) where ``GLUON``, ``TMA`` and ``FAST_SILU`` are
     on, the dtype is bf16, the device Hopper (its warpgroup MMA), the head size one it has tiles for and
-    the pages a multiple of their key block; else None. `_gluon_choice` adds the launch's part
-    (`_use_tma`, `hstu_gluon.supported`, the caller's options)."""
-    tiles = GLUON_TILES.get(dim)
+    the pages a multiple of their key block; else None. ``page_size`` None: the full pass's tiles
+    (`GLUON_FULL_TILES`, ``GLUON_FULL`` on too). `_gluon_choice` adds the launch's part (`_use_tma`,
+    `hstu_gluon.supported`, the caller's options)."""
+    tiles = GLUON_TILES.get(dim) if page_size is not None else (GLUON_FULL_TILES.get(dim) if GLUON_FULL else None)
     if not (GLUON and TMA and FAST_SILU and tiles and dtype == torch.bfloat16 and device.type == "cuda"
-            and page_size % tiles[1] == 0):
+            and (page_size is None or page_size % tiles[1] == 0)):
         return None
     return tiles if torch.cuda.get_device_capability(device)[0] == 9 else None
 
@@ -633,36 +643,39 @@ def _gluon_splits(nq: int, bsz: int, heads: int, max_q_len: int, kv_len: int, ti
     return _splits(n, kv_len, tiles, dim, 2, device, model=False)
 
 
-def _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule,
+def _gluon_choice(kernel, q, k, v, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule,
                   tma_ok) -> tuple | None:
-    """The Gluon kernel's tiles where this launch (`_launch`'s arguments) takes it, else None (the Triton
-    kernel). ``kernel="gluon"`` forces it, with ``blocks`` or `GLUON_TILES`' tiles, and is an error naming
-    why where it cannot run: not the paged split grid, ``tma=False`` or warp specialisation asked (it
+    """The Gluon kernel's tiles where this launch (`_launch`'s arguments, paged or the full pass) takes it,
+    else None (the Triton kernel). ``kernel="gluon"`` forces it, with ``blocks`` or `GLUON_TILES`' (the
+    full pass: `GLUON_FULL_TILES`') tiles, and is an error naming why where it cannot run: not the split
+    grid, ``tma=False`` or warp specialisation asked (it
     has neither form), the exact SiLU asked, or tensors `hstu_gluon.supported` refuses. ``kernel=None``
     takes it where the launch names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU,
-    ``tma_ok`` (`_launch`'s `_use_tma` of the table: captured into a CUDA graph, a table one descriptor
-    covers), `_gluon_tiles`
+    ``tma_ok`` (`_launch`'s `_use_tma`: captured into a CUDA graph, a table one descriptor covers),
+    `_gluon_tiles`
     has tiles for it and `hstu_gluon.supported` takes the tensors (else Triton: e.g. a bf16 ``q`` on an
     fp16 table)."""
-    if kernel == "triton" or (kernel is None and not paged):
+    if kernel == "triton":
         return None
     if kernel is None:
         if blocks is not None or tma is not None or warp_specialize or not fast or schedule == "stream" \
-                or (schedule is None and SCHEDULE != "split") or not tma_ok:
+                or (schedule is None and SCHEDULE != "split" and paged) or not tma_ok:
             return None
-        tiles = _gluon_tiles(q.shape[2], q.dtype, kv.shape[-3], q.device)
+        tiles = _gluon_tiles(q.shape[2], q.dtype, kv.shape[-3] if paged else None, q.device)
         if tiles is None:
             return None
     from gr_plugin.ops.triton import hstu_gluon
 
+    tensors = (q, kv) if paged else (q, None)
     if kernel is None:
-        return tiles if hstu_gluon.supported(q, kv, tiles) is None else None
-    tiles = blocks if blocks is not None else GLUON_TILES.get(q.shape[2], (64, 64, 4, 3))
-    why = ("the paged split grid only" if not paged or schedule == "stream" else
+        return tiles if hstu_gluon.supported(*tensors, tiles, k, v) is None else None
+    tiles = blocks if blocks is not None else (GLUON_TILES if paged else GLUON_FULL_TILES).get(q.shape[2],
+                                                                                             (64, 64, 4, 3))
+    why = ("the split grid only" if schedule == "stream" else
            "it has no form without TMA loads or with warp specialisation (tma=False / warp_specialize asked)"
            if tma is False or warp_specialize else
-           hstu_gluon.supported(q, kv, tiles) or ("its SiLU is the fast one (the exact one asked)"
-                                                  if exact_silu else None))
+           hstu_gluon.supported(*tensors, tiles, k, v) or ("its SiLU is the fast one (the exact one asked)"
+                                                           if exact_silu else None))
     if why is not None:
         raise ValueError(f"the Gluon attention kernel cannot take this launch: {why}")
     return tiles
@@ -691,7 +704,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
     if stream:
         num_splits = 1
     elif num_splits is None and gluon:
-        num_splits = _gluon_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, device, tight_kv_len)
+        num_splits = _gluon_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, device, tight_kv_len and paged)
     elif num_splits is None:
         num_splits = _default_splits(nq, bsz, heads, max_q_len, kv_len, blocks, dim, dtype.itemsize, device,
                                      model=paged and tight_kv_len)
@@ -733,8 +746,9 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
     # (whether a captured launch may read the table through TMA: asked once, each kernel adds its own terms)
-    tma_ok = paged and tma is None and _use_tma(kv)
-    gluon = _gluon_choice(kernel, q, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule, tma_ok)
+    tma_ok = tma is None and _use_tma(kv if paged else None, q)
+    gluon = _gluon_choice(kernel, q, k, v, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule,
+                          tma_ok)
     if gluon is not None:
         blocks, schedule = gluon, "split"
     # NOTE: stream-K measured slower than the split grid on the H200 (docs/BENCHMARKS.md: bs 8, head_dim
@@ -771,7 +785,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     else:
         page_size, kv_arg, idx, ptr, layer_pages, strides = 1, k, q_offsets, q_offsets, 0, (0, 0, 0, 0)
     if tma is None:
-        tma = tma_ok and gluon is None and page_size % block_n == 0
+        tma = paged and tma_ok and gluon is None and page_size % block_n == 0
     desc = None
     if tma and gluon is None:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from gr_plugin.ops.triton import tma_covers
+from gr_plugin.ops.triton import tma_covers, tma_covers_rows
 
 
 @gluon.jit
@@ -44,23 +44,28 @@ def _silu(s, alpha):
 
 
 @gluon.jit
-def _issue(KVD, kv_indices, page_base, layer_pages, n0, col, rows_pp, rows_kv, bar, k_dst, v_dst,
-           PAGE_SIZE: gl.constexpr):
-    """TMA loads of the key and value block at history position ``n0`` (one page) into ``k_dst`` /
-    ``v_dst``, completing on ``bar``."""
-    page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(gl.int64) + layer_pages
-    row = (page * rows_pp + n0 % PAGE_SIZE).to(gl.int32)
-    mbarrier.expect(bar, 2 * KVD.block_type.nbytes)
-    tma.async_copy_global_to_shared(KVD, [row, col], bar, k_dst)
-    tma.async_copy_global_to_shared(KVD, [row + rows_kv, col], bar, v_dst)
+def _issue(KD, VD, kv_indices, page_base, layer_pages, n0, col, rows_pp, v_rows, key_row0, bar, k_dst, v_dst,
+           PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+    """TMA loads of the key and value block at history position ``n0`` into ``k_dst`` / ``v_dst``,
+    completing on ``bar``: paged, one page of the table (``KD`` = ``VD``, values ``v_rows`` rows after
+    the keys); else rows ``key_row0 + n0`` of the keys ``KD`` and values ``VD`` themselves."""
+    if PAGED:
+        page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(gl.int64) + layer_pages
+        row = (page * rows_pp + n0 % PAGE_SIZE).to(gl.int32)
+    else:
+        row = key_row0 + n0
+    mbarrier.expect(bar, 2 * KD.block_type.nbytes)
+    tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst)
+    tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst)
 
 
 @gluon.jit
-def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
+def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
-               PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, TC: gl.constexpr, num_warps: gl.constexpr):
+               PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
+               num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -69,15 +74,20 @@ def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offs
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [num_warps, 1], [1, 0])
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dt)
-    kv_sl: gl.constexpr = KVD.layout
+    kv_sl: gl.constexpr = KD.layout
 
     pid = gl.program_id(0)
     pid_m = pid // splits
+    if HEAVY_FIRST:  # the last query tiles first: under a causal mask they see the most keys
+        pid_m = gl.num_programs(0) // splits - 1 - pid_m
     split = pid % splits
     b = gl.program_id(1)
     h = gl.program_id(2)
     m0 = pid_m * BLOCK_M
-    page_base = gl.load(kv_indptr + b).to(gl.int64)
+    if PAGED:
+        page_base = gl.load(kv_indptr + b).to(gl.int64)
+    else:
+        page_base = 0
     q_start = gl.load(q_offsets + b).to(gl.int64)
     q_len = (gl.load(q_offsets + b + 1) - q_start).to(gl.int32)
     hist = gl.load(hist_lens + b).to(gl.int32)
@@ -109,13 +119,19 @@ def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offs
     fence_async_shared()
     gl.thread_barrier()
 
-    rows_pp = stride_pp // stride_pt
-    rows_kv = (stride_pkv // stride_pt).to(gl.int32)
-    col = (h * stride_ph).to(gl.int32)
+    if PAGED:  # the table seen as rows of H * D: a page's rows, the values' offset, a head's column
+        rows_pp = stride_pp // stride_pt
+        v_rows = (stride_pkv // stride_pt).to(gl.int32)
+        col = (h * stride_ph).to(gl.int32)
+    else:
+        rows_pp = 0
+        v_rows = 0
+        col = (h * stride_kh).to(gl.int32)
+    key_row0 = q_start.to(gl.int32)
     for i in gl.static_range(STAGES):
         if i < n_full:
-            _issue(KVD, kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, col, rows_pp, rows_kv,
-                   bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE)
+            _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, col, rows_pp, v_rows, key_row0,
+                   bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE, PAGED)
 
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -134,9 +150,9 @@ def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offs
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             if j + STAGES < n_full:
                 gl.thread_barrier()  # every warpgroup is done with the stage before TMA overwrites it
-                _issue(KVD, kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, col, rows_pp,
-                       rows_kv, bars.index(j % STAGES), k_bufs.index(j % STAGES), v_bufs.index(j % STAGES),
-                       PAGE_SIZE)
+                _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, col, rows_pp,
+                       v_rows, key_row0, bars.index(j % STAGES), k_bufs.index(j % STAGES), v_bufs.index(j % STAGES),
+                       PAGE_SIZE, PAGED)
         acc = warpgroup_mma(p, v_bufs.index((n_full - 1) % STAGES), acc)
 
     # masked blocks (the causal edge, a partial last page): pointer loads with zeros past kv_hi
@@ -149,10 +165,18 @@ def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offs
         for n0 in range(full_hi, kv_hi, BLOCK_N):
             cols_ld = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
             ok = cols_ld < kv_hi
-            page = gl.load(kv_indices + page_base + cols_ld // PAGE_SIZE, mask=ok, other=0).to(gl.int64) + layer_pages
-            base = page * stride_pp + (cols_ld % PAGE_SIZE).to(gl.int64) * stride_pt + h * stride_ph
-            kt = gl.load(KV + base[:, None] + d_ld[None, :], mask=ok[:, None], other=0.0)
-            vt = gl.load(KV + stride_pkv + base[:, None] + d_ld[None, :], mask=ok[:, None], other=0.0)
+            if PAGED:
+                page = gl.load(kv_indices + page_base + cols_ld // PAGE_SIZE, mask=ok, other=0).to(gl.int64) \
+                    + layer_pages
+                base = page * stride_pp + (cols_ld % PAGE_SIZE).to(gl.int64) * stride_pt + h * stride_ph
+                kt = gl.load(KV + base[:, None] + d_ld[None, :], mask=ok[:, None], other=0.0)
+                vt = gl.load(KV + stride_pkv + base[:, None] + d_ld[None, :], mask=ok[:, None], other=0.0)
+            else:
+                key_rows = q_start + cols_ld
+                kt = gl.load(K + (key_rows * stride_kt + h * stride_kh)[:, None] + d_ld[None, :], mask=ok[:, None],
+                             other=0.0)
+                vt = gl.load(V + (key_rows * stride_vt + h * stride_vh)[:, None] + d_ld[None, :], mask=ok[:, None],
+                             other=0.0)
             gl.thread_barrier()
             km.store(kt)
             vm.store(vt)
@@ -198,33 +222,52 @@ def _paged_fwd(Q, K, V, Out, KV, KVD, kv_indices, kv_indptr, layer_pages, q_offs
     gl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=(rows_o < q_len)[:, None])
 
 
+def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
+    """A TMA descriptor over ``[T, H, D]`` keys or values seen as ``T`` rows of ``H * D`` (`tma_covers_rows`)."""
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, t.shape[2]], layout)
+
+
 def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
-           split_stride, strides, alpha, inv_norm, blocks) -> None:
+           split_stride, strides, alpha, inv_norm, blocks, heavy_first=None) -> None:
     """Launch `_paged_fwd` over ``grid`` (``hstu_attention._launch``'s split grid and arguments);
-    ``blocks``: (BLOCK_M, BLOCK_N, warps, stages), BLOCK_M 16 rows a warp."""
+    ``blocks``: (BLOCK_M, BLOCK_N, warps, stages), BLOCK_M 16 rows a warp. ``kv`` None: the full pass
+    (keys and values read from ``k`` and ``v``, ``hist_lens`` = ``new_lens``: every row a query);
+    ``heavy_first`` (default: the full pass) runs the query tiles last to first."""
     block_m, block_n, warps, stages = blocks
     dim = q.shape[2]
+    paged = kv is not None
     layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gl.bfloat16)
-    desc = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim], layout)
+    if paged:
+        kd = vd = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim], layout)
+    else:
+        kd, vd = _rows(k, block_n, layout), _rows(v, block_n, layout)
     _paged_fwd[grid](
-        q, k, v, target, kv, desc, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
+        q, k, v, target, kv if paged else k, kd, vd, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens,
+        new_lens, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split_stride,
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
-        PAGE_SIZE=kv.shape[-3], HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        TC=min(32, dim // 8), num_warps=warps)
+        PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
+        HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), num_warps=warps)
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor, blocks) -> str | None:
-    """Why this kernel cannot take a launch (None: it can)."""
+def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
+              v: torch.Tensor | None = None) -> str | None:
+    """Why this kernel cannot take a launch (None: it can); ``kv`` None: the full pass over ``k`` and ``v``."""
     block_m, block_n, warps, _ = blocks
-    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
-        return f"bf16 only, got q {q.dtype} and the table {kv.dtype}"
+    tensors = (q, kv) if kv is not None else (q, k, v)
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        names = "q, the table" if kv is not None else "q, k, v"
+        return f"bf16 only, got {', '.join(str(t.dtype) for t in tensors)} ({names})"
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return "Hopper only (warpgroup MMA)"
     if q.shape[2] not in (64, 128, 256):
         return f"head_dim 64, 128 or 256 only, got {q.shape[2]}"
-    if kv.shape[-3] % block_n or block_m != 16 * warps:
-        return f"pages a multiple of BLOCK_N and 16 query rows a warp only: page {kv.shape[-3]}, blocks {blocks}"
-    if not tma_covers(kv):
+    if block_m != 16 * warps or (kv is not None and kv.shape[-3] % block_n):
+        page = f"page {kv.shape[-3]}, " if kv is not None else ""
+        return f"pages a multiple of BLOCK_N and 16 query rows a warp only: {page}blocks {blocks}"
+    if kv is not None and not tma_covers(kv):
         return "a non-empty, contiguous, 16-byte aligned table of fewer than 2^31 rows only (one TMA descriptor)"
+    if kv is None and not (tma_covers_rows(k) and tma_covers_rows(v)):
+        return ("keys and values one TMA descriptor covers only (heads packed, 16-byte aligned base and row stride, "
+                f"fewer than 2^31 rows): k strides {k.stride()}, v strides {v.stride()}")
     return None
