@@ -359,8 +359,11 @@ GLUON_FULL = os.environ.get("GR_PLUGIN_ATTENTION_GLUON_FULL", "1") == "1"
 # Keyed by (head_dim, tiles): other tiles (``kernel="gluon"`` naming them) take the one-wave rule.
 GLUON_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 GLUON_MAKESPAN = {(128, (64, 64, 4, 3)): (0.01172, 7.62), (256, (64, 32, 4, 4)): (0.01983, 8.14)}
-# the Gluon kernel's tiles for the full pass (keys and values read from the step's own k / v, the query tiles
-# heaviest first), per head_dim; their split count is the one-wave rule's (`_plan`)
+# NOTE: the Gluon kernel's tiles for the full pass (keys and values read from the step's own k / v, the query
+# tiles heaviest first), per head_dim; their split count is the one-wave rule's (`_plan`). Measured on the H200
+# (`scripts/gpu/gluon_attention.py full`, graphed, 4096 history + 256 candidates; docs/BENCHMARKS.md): the
+# fastest of the tiles tried at head_dim 128 (bs 8: 324 µs, Triton 398) and at head_dim 256 bs 1 and 2; at
+# 256 / bs 8 the 128-row tiles (128, 32, 8, 3) took 731 µs against these tiles' 798 (not taken: a rule by size).
 GLUON_FULL_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 
 
@@ -604,11 +607,11 @@ def _use_tma(kv: torch.Tensor | None, q: torch.Tensor | None = None) -> bool:
     table one descriptor covers (`tma_covers`), and a launch being captured into a CUDA graph; the
     Triton kernel also needs its key blocks within one page (`_launch`), the Gluon one more
     (`_gluon_choice`). ``kv`` None: whether a full-pass launch of ``q`` may (the Gluon kernel's loads;
-    `hstu_gluon.supported` checks its keys and values). NOTE: measured on the H200
-    (docs/BENCHMARKS.md): graphed, the TMA loads take the
-    paged kernel from 0.094 to 0.092 ms at bs 8 / head_dim 128 and from 0.201 to 0.179 ms at
-    head_dim 256; but building the descriptor costs the host ~30 us per eager launch, more than the
-    kernel gains, so eager launches keep plain pointers. A traced kernel (Inductor) keeps them too."""
+    `hstu_gluon.supported` checks its keys and values). NOTE: measured on the H200 (docs/BENCHMARKS.md):
+    graphed, the TMA loads take the paged kernel from 0.094 to 0.092 ms at bs 8 / head_dim 128 and from
+    0.201 to 0.179 ms at head_dim 256; but building the descriptor costs the host ~30 us per eager
+    launch, more than the kernel gains, so eager launches keep plain pointers. A traced kernel
+    (Inductor) keeps them too."""
     t = kv if kv is not None else q
     if not (t.is_cuda and type(t) is torch.Tensor and TMA):
         return False
