@@ -1,8 +1,8 @@
 """The paged attention's Gluon kernel (`gr_plugin.ops.triton.hstu_gluon`) side by side with the Triton
 kernel (`gr_plugin.ops.triton.hstu_attention`), on the GPU.
 
-python3 scripts/gpu/gluon_attention.py [check|time [DIM,PAGE,BS ...]|grid|full] -> ``check``: every tile of `TILES`
-at split counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton
+python3 scripts/gpu/gluon_attention.py [check|time [DIM,PAGE,BS ...]|grid|full|stream] -> ``check``: every tile
+of `TILES` at split counts None / 1 / 3 against an fp32 reference (the package's pure-torch op), next to the Triton
 kernel's error (partial last pages with NaN in every slot no history holds); ``time``: graphed µs (the
 norm gate included, min over interleaved rounds) of the Triton kernel's launch, the package's Gluon
 launch, and each tile at each split count of `SPLITS`, at the block's shapes (4096 history, 128 new +
@@ -11,7 +11,10 @@ of `SPLITS` over histories 1024 / 4096 / 16384 and bs 1-32, as JSON lines in $OU
 (`scripts/fit_makespan.py` fits the split rule to them); ``full``: the full pass (`hstu_attention_jagged`,
 the block's 4096 history + 256 candidates) on the Gluon kernel, each tile of `FULL_TILES` against an fp32
 reference next to the Triton kernel's error, then graphed µs of the Triton launch and each tile with the
-query tiles heaviest first (the package's order) and in order. Registers and local memory without a GPU:
+query tiles heaviest first (the package's order) and in order; ``stream``: whether a balanced persistent
+grid pays with programs sharing an SM: graphed µs of the Triton kernel's stream-K (`_launch`'s
+``schedule="stream"``) at one, two and three programs per SM next to the package's split launches, bs
+1-8. Registers and local memory without a GPU:
 ``python scripts/kernel_resources.py --launch kernel=gluon [full=True]``.
 """
 
@@ -235,10 +238,49 @@ def full(rounds: int = 2) -> None:
             torch.cuda.empty_cache()
 
 
+def stream(rounds: int = 2) -> None:
+    """Graphed µs (min of ``rounds``, the norm gate included, 4096 history, 128 new + 256 candidates) of the
+    Triton kernel's stream-K with TMA loads at 1, 2 and 3 programs per SM (as many as its tiles leave
+    resident) against the package's Triton and Gluon split launches: stream-K was measured at one
+    program per SM only (docs/BENCHMARKS.md), where a program runs alone on its SM."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for dim, page, tiles in ((128, 128, ((64, 64, 4, 3), (64, 64, 4, 2))), (256, 32, ((64, 32, 4, 3), (64, 32, 4, 2)))):
+        for bs in (1, 2, 4, 8):
+            args, max_q, max_kv = _case(bs, 4096, dim, page)
+            gate = _gate(dim, args[0].shape[0])
+
+            def paged(**kw):
+                return lambda: tri._launch(*args, 0.1, 4096.0, max_q, paged=True, max_kv_len=max_kv, norm_gate=gate,
+                                           **kw)
+
+            fns = {"triton split (the package's)": paged(kernel="triton"), "gluon split (the package's)": paged()}
+            for bl in tiles:
+                resident = tri._resident(bl, dim, 2, args[0].device)
+                for per_sm in sorted({1, 2, resident}):
+                    if per_sm <= resident:
+                        fns[f"triton stream-K + TMA {bl}, {per_sm}/SM ({per_sm * sms} programs)"] = paged(
+                            schedule="stream", tma=True, blocks=bl, programs=per_sm * sms)
+            ref = fns["triton split (the package's)"]()
+            best = {}
+            for _ in range(rounds):
+                for label, fn in list(fns.items()):
+                    try:
+                        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                    except Exception as e:  # a variant that does not compile or fit is reported
+                        print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
+                        del fns[label]
+                        continue
+                    best[label] = min(best.get(label, float("inf")), ms)
+            print(f"stream d{dim} p{page} bs{bs} (graphed µs, with the norm gate, min of {rounds} rounds):", flush=True)
+            for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
+                diff = (fns[label]().float() - ref.float()).abs().max().item()
+                print(f"   {ms * 1000:8.2f}  {label}  (max diff vs triton split {diff:.2e})", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "check"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if mode == "time" and len(sys.argv) > 2:  # ``time DIM,PAGE,BS ...``: those cases only
         time_all(tuple(tuple(int(x) for x in c.split(",")) for c in sys.argv[2:]))
     else:
-        {"check": check, "time": time_all, "grid": grid, "full": full}[mode]()
+        {"check": check, "time": time_all, "grid": grid, "full": full, "stream": stream}[mode]()
