@@ -91,6 +91,22 @@ def _gate(dim, rows):
             dtype=torch.bfloat16), 1e-5, torch.randn(rows, width, device="cuda", dtype=torch.bfloat16))
 
 
+def _graphed_best(fns: dict, rounds: int) -> dict:
+    """Graphed ms of each of ``fns`` (label -> launch), min over ``rounds`` interleaved rounds; a launch that
+    does not compile or fit is reported and dropped from ``fns``."""
+    best = {}
+    for _ in range(rounds):
+        for label, fn in list(fns.items()):
+            try:
+                ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+            except Exception as e:
+                print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
+                del fns[label]
+                continue
+            best[label] = min(best.get(label, float("inf")), ms)
+    return best
+
+
 def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (256, 32, 8)), rounds: int = 2):
     """Graphed µs, min over interleaved rounds: the Triton kernel's launch (its tiles and split rule), the
     package's Gluon launch, and each Gluon tile of `TILES` at each split count of `SPLITS` (and the Gluon
@@ -109,17 +125,7 @@ def time_all(cases=((128, 128, 1), (128, 128, 2), (128, 128, 8), (256, 32, 1), (
                     continue
                 fns[f"gluon {bl} splits={sp}"] = (lambda bl=bl, sp=sp: launch(*args, 0.1, 4096.0, max_q, max_kv,
                                                                               num_splits=sp, blocks=bl, norm_gate=gate))
-        best = {}
-        for _ in range(rounds):
-            for label, fn in fns.items():
-                try:
-                    ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                except Exception as e:  # a tile that does not compile is reported
-                    print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
-                    fns[label] = None
-                    continue
-                best[label] = min(best.get(label, float("inf")), ms)
-            fns = {k: f for k, f in fns.items() if f is not None}
+        best = _graphed_best(fns, rounds)
         print(f"time d{dim} p{page} bs{bs} (graphed µs, with the norm gate, min of {rounds} rounds):")
         for label, ms in sorted(best.items(), key=lambda kv: kv[1])[:14]:
             diff = (fns[label]().float() - ref.float()).abs().max().item()
@@ -221,16 +227,7 @@ def full(rounds: int = 2) -> None:
                         return _full(*case, kernel="gluon", blocks=bl)
 
                 fns[f"gluon {bl} in order"] = in_order
-            best = {}
-            for _ in range(rounds):
-                for label, fn in list(fns.items()):
-                    try:
-                        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                    except Exception as e:  # a tile that does not compile or fit is reported
-                        print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
-                        del fns[label]
-                        continue
-                    best[label] = min(best.get(label, float("inf")), ms)
+            best = _graphed_best(fns, rounds)
             print(f"full time d{dim} bs{bs} 4096+256 (graphed µs, min of {rounds} rounds):", flush=True)
             for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
                 print(f"   {ms * 1000:9.1f}  {label}", flush=True)
@@ -261,16 +258,7 @@ def stream(rounds: int = 2) -> None:
                         fns[f"triton stream-K + TMA {bl}, {per_sm}/SM ({per_sm * sms} programs)"] = paged(
                             schedule="stream", tma=True, blocks=bl, programs=per_sm * sms)
             ref = fns["triton split (the package's)"]()
-            best = {}
-            for _ in range(rounds):
-                for label, fn in list(fns.items()):
-                    try:
-                        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                    except Exception as e:  # a variant that does not compile or fit is reported
-                        print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
-                        del fns[label]
-                        continue
-                    best[label] = min(best.get(label, float("inf")), ms)
+            best = _graphed_best(fns, rounds)
             print(f"stream d{dim} p{page} bs{bs} (graphed µs, with the norm gate, min of {rounds} rounds):", flush=True)
             for label, ms in sorted(best.items(), key=lambda kv: kv[1]):
                 diff = (fns[label]().float() - ref.float()).abs().max().item()

@@ -269,17 +269,23 @@ def test_gpu_gluon_error_within_twice_the_torch_reference(dim, page_size, seed, 
     assert torch.equal(run(tri, "paged", args), got)
 
 
+def _record_gluon_tiles(monkeypatch) -> list:
+    """The tiles of each Gluon launch, which still runs."""
+    from gr_plugin.ops.triton import hstu_gluon
+
+    took = []
+    real = hstu_gluon.launch
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    return took
+
+
 @pytest.mark.gpu
 def test_gpu_graphed_launch_takes_gluon_with_an_eager_launchs_bits(monkeypatch):
     """Captured into a CUDA graph on Hopper, a paged bf16 launch naming no tiles takes the Gluon kernel
     (with its split rule), and gives the bits of the same kernel launched eagerly; the whole-table form
     (a layer of ``[L, num_pages, ...]``) the bits of its layer's view."""
     _need_hopper()
-    from gr_plugin.ops.triton import hstu_gluon
-
-    took = []
-    real = hstu_gluon.launch
-    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    took = _record_gluon_tiles(monkeypatch)
     _, paged = build([1500, 700, 300], [40, 9, 64], [1400, 650, 0], 128, 4, 128, torch.float32, "cuda", 7)
     args = _bf16(paged)
     eager = run(tri, "paged", {**args, "kernel": "gluon"})
@@ -337,11 +343,7 @@ def test_gpu_graphed_full_pass_takes_gluon_with_an_eager_launchs_bits(monkeypatc
     `GLUON_FULL_TILES`, with the bits of the same kernel launched eagerly; keys whose heads lie apart (no
     TMA descriptor covers them) keep the Triton kernel, and a forced Gluon launch on them names why."""
     _need_hopper()
-    from gr_plugin.ops.triton import hstu_gluon
-
-    took = []
-    real = hstu_gluon.launch
-    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
+    took = _record_gluon_tiles(monkeypatch)
     jag, _ = build([1500, 700, 300], [40, 9, 64], [0, 0, 0], 128, 4, 128, torch.float32, "cuda", 7)
     args = _bf16(jag)
     eager = run(tri, "jagged", {**args, "kernel": "gluon"})
