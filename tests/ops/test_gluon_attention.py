@@ -138,6 +138,7 @@ def test_full_pass_takes_gluon_only_where_it_can_run(monkeypatch):
     from gr_plugin.ops.triton import hstu_gluon
 
     cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(tri, "GLUON_FULL", True)  # (whatever GR_PLUGIN_ATTENTION_GLUON_FULL says here)
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         assert tri._gluon_tiles(128, torch.bfloat16, None, cuda) == tri.GLUON_FULL_TILES[128]
@@ -160,6 +161,11 @@ def test_full_pass_takes_gluon_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     run(tri, "jagged", args)
     assert took == [("gluon", True, (64, 64, 4, 2), 1)]  # (a full pass, its tiles, one split: 12 programs here)
+    with monkeypatch.context() as m:
+        m.setattr(tri, "SCHEDULE", "stream")  # (the setting applies to the paged form only)
+        took.clear()
+        run(tri, "jagged", args)
+        assert took == [("gluon", True, (64, 64, 4, 2), 1)]
     for extra in ({"blocks": (64, 64, 4, 2)}, {"kernel": "triton"}, {"tma": False}):
         took.clear()
         run(tri, "jagged", {**args, **extra})
@@ -173,11 +179,56 @@ def test_full_pass_takes_gluon_only_where_it_can_run(monkeypatch):
     assert took == [("triton", False)]
     with pytest.raises(ValueError, match="cannot take this launch: not these keys"):
         run(tri, "jagged", {**args, "kernel": "gluon"})
+    took.clear()
+    with pytest.raises(ValueError, match="tma=True applies to the paged form"):
+        run(tri, "jagged", {**args, "tma": True})
+    assert took == []
     monkeypatch.setattr(tri, "_use_tma", lambda kv, q=None: False)  # eager
     monkeypatch.setattr(hstu_gluon, "supported", lambda *a: None)
     took.clear()
     run(tri, "jagged", args)
     assert took == [("triton", False)]
+
+
+def test_full_pass_split_count_is_the_one_wave_rule(monkeypatch):
+    """`GLUON_MAKESPAN`'s constants were fitted on the paged launch; the full pass (causal: its programs'
+    key ranges differ) takes the one-wave rule with the same tiles. At an H200's sizes, bs 1 of the
+    block's 4096 + 256 tokens: one split (68 query tiles x 4 heads fill the wave), where the makespan
+    model would take 3."""
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tri, "_shared_memory", lambda device: 232448)
+    tiles = tri.GLUON_FULL_TILES[128]
+    assert (128, tuple(tiles)) in tri.GLUON_MAKESPAN  # (else the model would not apply to these tiles anyway)
+    sizes = (4352, 1, 4, 128, torch.bfloat16, CPU, 4352, 4352)
+    _, _, full = tri._plan(*sizes, False, None, tiles, "split", True, gluon=True)
+    _, _, model = tri._plan(*sizes, True, None, tiles, "split", True, gluon=True)
+    assert (full, model) == (1, 3)
+
+
+def test_gluon_launch_runs_the_full_pass_heaviest_first(monkeypatch):
+    """`hstu_gluon.launch`: the full pass (no table) reads keys and values through descriptors of its own
+    ``k`` / ``v`` and runs the query tiles last to first; the paged launch in order, on the table."""
+    from gr_plugin.ops.triton import hstu_gluon
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((a[5], a[6], kw))
+
+    monkeypatch.setattr(hstu_gluon, "_paged_fwd", Kernel())
+    jag, paged = build([300, 90], [3, 1], [200, 64], 64, 2, 64, torch.bfloat16, "cpu")
+    i64 = torch.zeros(3, dtype=torch.int64)
+    out = torch.empty_like(jag["q"])
+    hstu_gluon.launch((1, 2, 2), jag["q"], jag["k"], jag["v"], out, None, i64, i64, 0, i64, i64, i64, 1, 0,
+                      (0, 0, 0, 0), 0.1, 1.0, (64, 64, 4, 3))
+    kd, vd, kw = seen.pop()
+    assert kw["PAGED"] is False and kw["HEAVY_FIRST"] is True and kd.base is jag["k"] and vd.base is jag["v"]
+    table = paged["kv_layer"]
+    hstu_gluon.launch((1, 2, 2), paged["q"], paged["k"], paged["v"], torch.empty_like(paged["q"]), table, i64, i64, 0,
+                      i64, i64, i64, 1, 0, tuple(table.stride()[:4]), 0.1, 1.0, (64, 64, 4, 3))
+    kd, vd, kw = seen.pop()
+    assert kw["PAGED"] is True and kw["HEAVY_FIRST"] is False and kd is vd and kw["PAGE_SIZE"] == 64
 
 
 def test_tma_covers_rows_takes_the_models_projections_only():

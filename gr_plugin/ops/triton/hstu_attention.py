@@ -12,10 +12,11 @@ skipped. Works under ``TRITON_INTERPRET=1`` on CPU tensors (fp32/fp16), which th
 Options of the paged form (`_launch`): full key blocks read through a TMA descriptor when the launch
 is captured into a CUDA graph on Hopper or newer (`_use_tma`), and a stream-K grid
 (``schedule="stream"``; measured slower than the default split grid on the H200, kept tested). On
-Hopper a captured bf16 launch naming no tiles, TMA setting, stream-K, warp specialisation or exact SiLU
-takes the Gluon kernel of `hstu_gluon` instead (`_gluon_choice`; faster on the H200): the same split
-grid, mask and fp32 parts, its outputs within the project's error rule but not the Triton kernel's
-bits (the parts are summed in another split order). This module keeps its split rule.
+Hopper a captured bf16 launch of either form naming no tiles, TMA setting, stream-K, warp
+specialisation or exact SiLU takes the Gluon kernel of `hstu_gluon` instead (`_gluon_choice`; faster
+on the H200): the same split grid, mask and fp32 parts, its outputs within the project's error rule
+but not the Triton kernel's bits (the parts are summed in another split order). This module keeps its
+split rule.
 """
 
 from __future__ import annotations
@@ -363,7 +364,8 @@ GLUON_MAKESPAN = {(128, (64, 64, 4, 3)): (0.01172, 7.62), (256, (64, 32, 4, 4)):
 # tiles heaviest first), per head_dim; their split count is the one-wave rule's (`_plan`). Measured on the H200
 # (`scripts/gpu/gluon_attention.py full`, graphed, 4096 history + 256 candidates; docs/BENCHMARKS.md): the
 # fastest of the tiles tried at head_dim 128 (bs 8: 324 µs, Triton 398) and at head_dim 256 bs 1 and 2; at
-# 256 / bs 8 the 128-row tiles (128, 32, 8, 3) took 731 µs against these tiles' 798 (not taken: a rule by size).
+# 256 / bs 8 the 128-row tiles took 719 µs ((128, 64, 8, 2) in order) and 731 ((128, 32, 8, 3)) against these
+# tiles' 798, but 10-20% longer at bs 1 and 2 (not taken: a rule by size).
 GLUON_FULL_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 
 
@@ -669,16 +671,15 @@ def _gluon_choice(kernel, q, k, v, kv, paged, blocks, tma, warp_specialize, fast
             return None
     from gr_plugin.ops.triton import hstu_gluon
 
-    tensors = (q, kv) if paged else (q, None)
-    if kernel is None:
-        return tiles if hstu_gluon.supported(*tensors, tiles, k, v) is None else None
+    if kernel is None:  # (``kv`` is None for the full pass)
+        return tiles if hstu_gluon.supported(q, kv, tiles, k, v) is None else None
     tiles = blocks if blocks is not None else (GLUON_TILES if paged else GLUON_FULL_TILES).get(q.shape[2],
                                                                                              (64, 64, 4, 3))
     why = ("the split grid only" if schedule == "stream" else
            "it has no form without TMA loads or with warp specialisation (tma=False / warp_specialize asked)"
            if tma is False or warp_specialize else
-           hstu_gluon.supported(*tensors, tiles, k, v) or ("its SiLU is the fast one (the exact one asked)"
-                                                           if exact_silu else None))
+           hstu_gluon.supported(q, kv, tiles, k, v) or ("its SiLU is the fast one (the exact one asked)"
+                                                        if exact_silu else None))
     if why is not None:
         raise ValueError(f"the Gluon attention kernel cannot take this launch: {why}")
     return tiles
@@ -749,7 +750,10 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if fast is None:
         fast = FAST_SILU and q.is_cuda and q.dtype == torch.bfloat16
     # (whether a captured launch may read the table through TMA: asked once, each kernel adds its own terms)
-    tma_ok = tma is None and _use_tma(kv if paged else None, q)
+    if tma and not paged and kernel != "gluon":
+        raise ValueError("tma=True applies to the paged form (the Triton kernel reads the full pass through "
+                         "pointers; the Gluon one, kernel='gluon', always by TMA)")
+    tma_ok = tma is None and _use_tma(kv, q)  # (``kv`` is None for the full pass)
     gluon = _gluon_choice(kernel, q, k, v, kv, paged, blocks, tma, warp_specialize, fast, exact_silu, schedule,
                           tma_ok)
     if gluon is not None:

@@ -1,4 +1,4 @@
-"""The paged HSTU attention's kernel for Hopper in Gluon (Triton's tile-level dialect): the split grid of
+"""The HSTU attention's kernel for Hopper in Gluon (Triton's tile-level dialect): the split grid of
 `gr_plugin.ops.triton.hstu_attention` (a program per query tile and key split, fp32 parts summed by
 that module's passes), the same mask and the same SiLU as its ``FAST`` form.
 
