@@ -653,13 +653,11 @@ def _gluon_choice(kernel, q, k, v, kv, paged, blocks, tma, warp_specialize, fast
     """The Gluon kernel's tiles where this launch (`_launch`'s arguments, paged or the full pass) takes it,
     else None (the Triton kernel). ``kernel="gluon"`` forces it, with ``blocks`` or `GLUON_TILES`' (the
     full pass: `GLUON_FULL_TILES`') tiles, and is an error naming why where it cannot run: not the split
-    grid, ``tma=False`` or warp specialisation asked (it
-    has neither form), the exact SiLU asked, or tensors `hstu_gluon.supported` refuses. ``kernel=None``
-    takes it where the launch names no tiles, TMA setting, stream-K, warp specialisation or exact SiLU,
-    ``tma_ok`` (`_launch`'s `_use_tma`: captured into a CUDA graph, a table one descriptor covers),
-    `_gluon_tiles`
-    has tiles for it and `hstu_gluon.supported` takes the tensors (else Triton: e.g. a bf16 ``q`` on an
-    fp16 table)."""
+    grid, ``tma=False`` or warp specialisation asked (it has neither form), the exact SiLU asked, or
+    tensors `hstu_gluon.supported` refuses. ``kernel=None`` takes it where the launch names no tiles,
+    TMA setting, stream-K, warp specialisation or exact SiLU, ``tma_ok`` (`_launch`'s `_use_tma`:
+    captured into a CUDA graph, a table one descriptor covers), `_gluon_tiles` has tiles for it and
+    `hstu_gluon.supported` takes the tensors (else Triton: e.g. a bf16 ``q`` on an fp16 table)."""
     if kernel == "triton":
         return None
     if kernel is None:

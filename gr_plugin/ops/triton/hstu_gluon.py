@@ -12,9 +12,9 @@ the tile's first split as a per-row weight, rounded as a block's weights are.
 `hstu_attention._launch` takes it for paged launches captured into a CUDA graph on Hopper in bf16
 (`hstu_attention._gluon_choice`); it needs Hopper's ``wgmma`` (not on Blackwell). The full pass
 (``PAGED=False``, `hstu_attention.hstu_attention_jagged` captured) reads its key blocks by TMA from the
-keys and values themselves, seen as rows of ``H * D``, and runs the query tiles heaviest first. NOTE: measured on the
-H200 against the Triton kernel (docs/BENCHMARKS.md, `scripts/gpu/gluon_attention.py time`, graphed,
-the norm gate included, 4096 history; the tiles and split counts the package takes): bs 8 /
+keys and values themselves, seen as rows of ``H * D``, and runs the query tiles heaviest first.
+NOTE: measured on the H200 against the Triton kernel (docs/BENCHMARKS.md, `scripts/gpu/gluon_attention.py
+time`, graphed, the norm gate included, 4096 history; the tiles and split counts the package takes): bs 8 /
 head_dim 128 64.5 vs 87.6 µs, head_dim 256 bs 1 26.6 vs 40.6 and bs 8 149.5 vs 171.6; bs 1 / head_dim
 128 15.3 vs 15.6. Its outputs were within 2x the Triton kernel's error against an fp32 reference in
 every case of `gluon_attention.py check`, and some were the Triton kernel's bits at equal split counts.
