@@ -6,7 +6,8 @@ events, ``stride`` new events per visit (so each user visits ``(max_len - min_le
 times and asks each time to score ``num_candidates`` items). ``interleave_users`` users (default:
 the batch size) are served round-robin, so a user's next visit comes after the others' current
 ones. Each batch is scored, in the same loop, by the cached engine with CUDA graphs, the cached
-engine without them, and the full recomputation, each step timed alone (synchronised: latency).
+engine without them, and the full recomputation, eager and (on CUDA) as CUDA graphs
+(`FullStackGraphs`), each step timed alone (synchronised: latency).
 Reports throughput (requests/s), latency, hit rate and the largest score difference against the
 full pass; then each engine's throughput with one step in flight (what a server overlapping the
 next step's host work with the current step's GPU work gets). Before timing, the same stream runs
@@ -147,6 +148,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
         engines = {"graph": RankingEngine(model, graph_cache, device, cuda_graphs=cuda),
                    "eager": RankingEngine(model, eager_cache, device),
                    "full": RankingEngine(model, None, device)}
+        if cuda:  # the recompute as CUDA graphs too (`FullStackGraphs`): graphs against graphs
+            engines["full_graph"] = RankingEngine(model, None, device, cuda_graphs=True)
         caches = (graph_cache, eager_cache)
         warm_s = 0.0
         if warm_pass:
@@ -160,10 +163,12 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
             for c in caches:
                 c.manager.evict_all()
         graphs = engines["graph"].graphs
+        full_graphs = engines["full_graph"].full_graphs if "full_graph" in engines else None
         captures_before = graphs.captures if graphs is not None else 0
         replays_before = graphs.replays if graphs is not None else 0
+        full_before = (full_graphs.captures, full_graphs.replays) if full_graphs is not None else (0, 0)
         times: dict[str, list[float]] = {name: [] for name in engines}
-        diff, hits = 0.0, []
+        diff, full_diff, hits = 0.0, 0.0, []
         for i, batch in enumerate(batches):
             logits = {}
             for name, engine in engines.items():
@@ -175,6 +180,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
                     hits.append(res.cached_tokens / max(1, res.cached_tokens + res.computed_tokens))
             for n in ("graph", "eager"):
                 diff = worst_diff(diff, (logits[n] - logits["full"]).abs().max().item())
+            if "full_graph" in logits:
+                full_diff = worst_diff(full_diff, (logits["full_graph"] - logits["full"]).abs().max().item())
         measured = batches[warmup_batches:]
         n_req = sum(b.batch_size for b in measured)
         rate = {name: n_req / sum(t) for name, t in times.items()}
@@ -191,6 +198,13 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
                "hit_rate": statistics.fmean(hits), "max_abs_diff": diff}
         row["throughput_graph_x"] = rate["graph"] / rate["full"]
         row["throughput_eager_x"] = rate["eager"] / rate["full"]
+        if full_graphs is not None:
+            row.update({"full_graph_req_s": rate["full_graph"],
+                        "full_graph_ms_p50": 1e3 * statistics.median(times["full_graph"]),
+                        "throughput_graph_x_full_graph": rate["graph"] / rate["full_graph"],
+                        "full_graph_replays": full_graphs.replays - full_before[1],
+                        "full_graph_captures_measured": full_graphs.captures - full_before[0],
+                        "full_graph_max_abs_diff": full_diff})
         if pipelined:
             # NOTE: a pass is short (~0.1 s for the graphed engine at bs 8) and single passes spread
             # 10-30% from call to call: the engines take turns for ``pipelined_rounds`` rounds and
@@ -207,6 +221,8 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
             piped = {name: n_req / statistics.median(s for s, _ in p) for name, p in passes.items()}
             row.update({f"{name}_req_s_pipelined": r for name, r in piped.items()})
             row["throughput_graph_x_pipelined"] = piped["graph"] / piped["full"]
+            if "full_graph" in piped:
+                row["throughput_graph_x_pipelined_full_graph"] = piped["graph"] / piped["full_graph"]
             # the share of the graphed pass the host spent not blocked on the step before's logits
             row["graph_host_busy_pipelined"] = statistics.median(1 - w / s for s, w in passes["graph"])
         rows.append(row)
@@ -219,4 +235,7 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
 COLUMNS = ["batch", "requests", "batches", "graph_replays", "captures_measured", "graph_req_s", "eager_req_s",
            "full_req_s", "throughput_graph_x", "throughput_eager_x", "graph_ms_p50", "eager_ms_p50", "full_ms_p50",
            "graph_ms_mean", "full_ms_mean", "graph_req_s_pipelined", "full_req_s_pipelined",
-           "throughput_graph_x_pipelined", "graph_host_busy_pipelined", "hit_rate", "max_abs_diff"]
+           "throughput_graph_x_pipelined", "graph_host_busy_pipelined", "hit_rate", "max_abs_diff",
+           "full_graph_req_s", "full_graph_ms_p50", "throughput_graph_x_full_graph", "full_graph_req_s_pipelined",
+           "throughput_graph_x_pipelined_full_graph", "full_graph_replays", "full_graph_captures_measured",
+           "full_graph_max_abs_diff"]

@@ -55,8 +55,9 @@ class ServeConfig(WeightsConfig):
     matter then). ``metrics_port``: the replica's own ``/metrics`` (serving and cache counters; 0:
     any free port). ``ready_file``: written (JSON: pid, device, dtype, ports) once the server answers.
     ``dtype``: what the model runs in (``bfloat16`` on a GPU uses the tensor-core kernels).
-    ``cuda_graphs``: on a GPU with a cache, replay the cached layer stack as CUDA graphs per shape
-    bucket (`gr_plugin.modules.graphs`; ignored on a CPU or without a cache).
+    ``cuda_graphs``: on a GPU, replay the cached layer stack as CUDA graphs per shape bucket
+    (`gr_plugin.modules.graphs`), or without a cache the full passes (`gr_plugin.modules.full_graphs`);
+    ignored on a CPU.
     Replicas that share a Redis tier must use one ``kvcache.namespace`` per model version."""
 
     dtype: str = "float32"  # the replica's weights and activations: float32 | bfloat16 | float16

@@ -38,7 +38,7 @@ class StepResult:
 @dataclasses.dataclass
 class PreparedStep:
     """A step after `RankingEngine.prepare`: the batch's host copy, the token layout (on the device;
-    on the host for a cached step when the engine replays CUDA graphs, which pack it themselves),
+    on the host when the engine replays CUDA graphs of that step, which pack it themselves),
     and the cache's plan (None: a full pass; ``fell_back`` when the cache could not fit the batch).
     ``history``/``candidates``: the batch's KJTs on the host, built on first use (a graph replay
     never needs them)."""
@@ -72,12 +72,19 @@ class RankingEngine:
         c = model.config
         # NOTE: ids validated against the model's tables already fit the cache key's bit fields.
         self._keys_checked = validate and keys_fit(c.num_items, c.num_actions, c.num_time_buckets)
-        self.graphs = None
-        if cuda_graphs and cache is not None and self.device.type == "cuda":
-            from gr_plugin.modules.graphs import CachedStackGraphs
+        self.graphs = None  # the cached steps' graphs
+        self.full_graphs = None  # the full passes' graphs (an engine without a cache)
+        if cuda_graphs and self.device.type == "cuda":
+            if cache is not None:
+                from gr_plugin.modules.graphs import CachedStackGraphs
 
-            graphs = CachedStackGraphs(model, cache)
-            self.graphs = graphs if graphs.supported(self.device) else None
+                graphs = CachedStackGraphs(model, cache)
+                self.graphs = graphs if graphs.supported(self.device) else None
+            else:
+                from gr_plugin.modules.full_graphs import FullStackGraphs
+
+                full = FullStackGraphs(model)
+                self.full_graphs = full if full.supported(self.device) else None
 
     @torch.no_grad()
     def score(self, batch: RequestBatch) -> StepResult:
@@ -110,7 +117,9 @@ class RankingEngine:
                 logger.debug("batch of %d users does not fit in the cache; full pass", host.batch_size)
             layout = host_token_layout(host.history_lengths, columns, host.candidate_lengths, host.candidate_items,
                                        None, max_positions, max(h + c for h, c in zip(history_lengths, cand)))
-            return PreparedStep(host, layout.to(self.device), None, total, fell_back=self.cache is not None)
+            if self.full_graphs is None:  # (the graphs pack the host layout themselves)
+                layout = layout.to(self.device)
+            return PreparedStep(host, layout, None, total, fell_back=self.cache is not None)
         try:
             meta = plan.metadata
             cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
@@ -128,8 +137,10 @@ class RankingEngine:
     def run(self, step: PreparedStep) -> StepResult:
         """The device half: the layers (cached or full), then commit (abort on any error)."""
         if step.plan is None:
-            return StepResult(self.model.forward_layout(step.layout), computed_tokens=step.total,
-                              fell_back=step.fell_back)
+            logits = self.full_graphs.step(step.layout) if self.full_graphs is not None else None
+            if logits is None:
+                logits = self.model.forward_layout(step.layout.to(self.device))
+            return StepResult(logits, computed_tokens=step.total, fell_back=step.fell_back)
         plan = step.plan
         try:
             logits = self.graphs.step(step.layout, plan) if self.graphs is not None else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -80,6 +81,50 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
     return users, tokens, _round_up(max(num_new_tokens, 1), new_quantum), max_q
 
 
+class PackedInputs:
+    """A graphed step's int inputs: named fields packed in one device buffer (``ints``), which two
+    pinned host buffers fill in turn, one non-blocking copy a step. `begin` hands out the next host
+    buffer once its previous copy has run (a copy two steps ago may still read it); `put` writes a
+    field and resets its tail (a bucket's previous step may have had more users or rows); `send`
+    copies it."""
+
+    def __init__(self, sizes: Sequence[tuple[str, int]], device: torch.device) -> None:
+        self.fields: dict[str, tuple[int, int]] = {}  # name -> [start, end) in ``ints``
+        at = 0
+        for name, size in sizes:
+            self.fields[name] = (at, at + size)
+            at += size
+        self.ints = torch.zeros(at, dtype=torch.int64, device=device)
+        self._staging = [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._staging_np = [t.numpy() for t in self._staging]
+        self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's last copy
+        self._turn = 0
+
+    def view(self, name: str) -> torch.Tensor:
+        a, b = self.fields[name]
+        return self.ints[a:b]
+
+    def begin(self) -> np.ndarray:
+        """The host buffer this step fills (numpy), its previous copy done."""
+        self._staged[self._turn].synchronize()
+        return self._staging_np[self._turn]
+
+    def put(self, name: str, values: np.ndarray, fill) -> None:
+        """Field ``name`` of the current host buffer: ``values``, then ``fill`` to its end."""
+        a, e = self.fields[name]
+        st = self._staging_np[self._turn]
+        st[a : a + len(values)] = values
+        st[a + len(values) : e] = fill
+
+    def send(self, end: int | None = None) -> None:
+        """Copy the current host buffer's first ``end`` ints (default: all) to ``ints``, non-blocking."""
+        i = self._turn
+        n = self.ints.numel() if end is None else end
+        self.ints[:n].copy_(self._staging[i][:n], non_blocking=True)
+        self._staged[i].record()
+        self._turn ^= 1
+
+
 @dataclasses.dataclass
 class _Bucket:
     users: int  # batch rows of the graph (the real users, then padding users)
@@ -87,63 +132,105 @@ class _Bucket:
     new: int  # new-token rows of the graph
     max_q: int  # query rows of any one user, at most (the attention's grid; the padding user's too)
     hist: int  # the attention's max_history_len: a bound (`history_bound`) whose launch the bucket keys on
-    fields: dict[str, tuple[int, int]]  # name -> [start, end) in ``ints`` (kv_indices last)
-    ints: torch.Tensor  # every int input of the step, packed (device)
-    staging: list[torch.Tensor]  # two pinned host buffers of the same layout, used in turn
-    staging_np: list[np.ndarray]  # their numpy views
-    staged: list[torch.cuda.Event]  # recorded after each staging buffer's last copy
+    inputs: PackedInputs  # every int input of the step (kv_indices last)
     scratch_slots: np.ndarray  # [new] where padding new rows write (a reserved page)
     x: torch.Tensor
     ys: list[torch.Tensor]  # the residual stream: layer i reads ys[i], writes ys[i + 1]
     normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
-    turn: int = 0
     last_used: int = 0  # the engine's step count when it last ran
     whole: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # one graph, its logits
     # layers + 1 segments (layer i's pages awaited before segment i + 1), logits
     layered: tuple[list[torch.cuda.CUDAGraph], torch.Tensor] | None = None
 
     def view(self, name: str) -> torch.Tensor:
-        a, b = self.fields[name]
-        return self.ints[a:b]
+        return self.inputs.view(name)
 
 
-class CachedStackGraphs:
-    """See the module docstring. Shapes are padded up to buckets (`bucket_key`: users plus one
-    padding user, exactly or up to a power of two; query rows to a multiple of ``token_quantum``,
-    new rows to a multiple of ``new_quantum``, one user's query rows to a multiple of
-    ``q_quantum``; and the attention launch of the longest history up to a power of two,
-    `history_bound`: bounds that give the same launch share a bucket): padding query
-    rows belong to a padding user with no history (they only see themselves, and are dropped),
-    padding new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row
-    of every table) and padding head rows are dropped.
-    """
+class GraphBuckets:
+    """The buckets of captured graphs a step engine keeps (`CachedStackGraphs`, `FullStackGraphs`),
+    least recently used first: a key's bucket is made the ``capture_after``-th time the key is seen
+    (a capture costs far more than an eager step), at most ``max_buckets`` of them; when they are
+    all taken, the least recently used one is dropped for a new one once idle ``idle_steps`` steps
+    (default ``4 * max_buckets``), else the new shape runs eagerly; a key whose capture failed stays
+    eager."""
 
-    def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
-                 token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
-                 q_quantum: int = Q_QUANTUM, idle_steps: int | None = None) -> None:
+    def __init__(self, max_buckets: int, capture_after: int, idle_steps: int | None) -> None:
         if max_buckets < 1 or capture_after < 1:
             raise ValueError(f"max_buckets and capture_after must be >= 1, got {max_buckets} and {capture_after}")
-        self.model, self.cache, self.max_buckets = model, cache, max_buckets
-        self.capture_after, self.token_quantum, self.new_quantum = capture_after, token_quantum, new_quantum
-        self.q_quantum = q_quantum
+        self.max_buckets, self.capture_after = max_buckets, capture_after
         # NOTE: a full set of buckets gives up its least recently used one only when that has been
         # idle this many steps, so a round of more shapes than max_buckets runs some steps eagerly
         # instead of capturing on every step (a capture costs far more than an eager step).
         self.idle_steps = 4 * max_buckets if idle_steps is None else idle_steps
-        self._buckets: collections.OrderedDict[tuple[int, ...], _Bucket] = collections.OrderedDict()  # LRU first
+        self._buckets: collections.OrderedDict = collections.OrderedDict()  # key -> bucket, LRU first
         self._steps = 0
         self._seen: dict[tuple[int, ...], int] = {}
+        self._failed: set[tuple[int, ...]] = set()  # buckets whose capture failed: eager from then on
+        self.captures = 0
+        self.replays = 0
+        self.evictions = 0
+
+    def _admit(self, key: tuple) -> bool:
+        """Count a step of a key with no bucket; whether to make its bucket now (seen often enough,
+        room made)."""
+        if len(self._seen) > 16 * self.max_buckets:  # many one-off shapes: forget the uncaptured
+            self._seen = {k: n for k, n in self._seen.items() if k in self._buckets}
+        self._seen[key] = self._seen.get(key, 0) + 1
+        return self._seen[key] >= self.capture_after and self._make_room()
+
+    def _use(self, key: tuple):
+        """The bucket of ``key``, marked most recently used at this step."""
+        self._buckets.move_to_end(key)
+        b = self._buckets[key]
+        b.last_used = self._steps
+        return b
+
+    def _capture_failed(self, key: tuple, exc: BaseException) -> None:
+        logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
+        del self._buckets[key]
+        self._failed.add(key)
+
+    def _make_room(self) -> bool:
+        """Whether a new bucket may be captured: below ``max_buckets``, or after dropping the least
+        recently used one, if it has been idle ``idle_steps`` steps. Its graphs may still be
+        running: CUDA frees an executable graph when its launches finish, and the pool's memory
+        it held is taken only by later captures, whose replays queue behind it on this stream."""
+        if len(self._buckets) < self.max_buckets:
+            return True
+        key, lru = next(iter(self._buckets.items()))
+        if self._steps - lru.last_used <= self.idle_steps:
+            return False
+        del self._buckets[key]
+        self._seen.pop(key, None)
+        self.evictions += 1
+        logger.info("dropped bucket %s (idle %d steps) for a new shape", key, self._steps - lru.last_used)
+        return True
+
+
+class CachedStackGraphs(GraphBuckets):
+    """See the module docstring; the buckets' bookkeeping is `GraphBuckets`'. Shapes are padded up
+    to buckets (`bucket_key`: users plus one padding user, exactly or up to a power of two; query
+    rows to a multiple of ``token_quantum``, new rows to a multiple of ``new_quantum``, one user's
+    query rows to a multiple of ``q_quantum``; and the attention launch of the longest history up to
+    a power of two, `history_bound`: bounds that give the same launch share a bucket): padding query
+    rows belong to a padding user with no history (they only see themselves, and are dropped),
+    padding new rows write their K/V into a reserved scratch page, padding ids are 0 (a valid row
+    of every table) and padding head rows are dropped."""
+
+    def __init__(self, model: HSTURanker, cache: KVCacheModule, max_buckets: int = 32, capture_after: int = 2,
+                 token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
+                 q_quantum: int = Q_QUANTUM, idle_steps: int | None = None) -> None:
+        super().__init__(max_buckets, capture_after, idle_steps)
+        self.model, self.cache = model, cache
+        self.token_quantum, self.new_quantum = token_quantum, new_quantum
+        self.q_quantum = q_quantum
         self._pool = None
         cfg = cache.config
         self._max_history = cfg.num_pages * cfg.page_size
         self._launches: dict[tuple[int, ...], tuple] = {}  # (bucket shape, history bound) -> attention launch
         self._scratch: int | None = None
-        self._failed: set[tuple[int, ...]] = set()  # buckets whose capture failed: eager from then on
         self._table = None  # the KV table the graphs were captured on (they hold its address)
-        self.captures = 0
-        self.replays = 0
         self.layered_replays = 0
-        self.evictions = 0
 
     def supported(self, device: torch.device) -> bool:
         """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels serving attention
@@ -194,21 +281,14 @@ class CachedStackGraphs:
         more users or tokens, and a stale slot would make a padding row overwrite a real page."""
         meta = plan.metadata
         n, m, nq = meta.num_new_tokens, meta.num_batch_pages, layout.num_query_tokens
-        i = b.turn
-        b.turn ^= 1
-        b.staged[i].synchronize()  # NOTE: the copy of two steps ago may still read this buffer
-        st = b.staging_np[i]
-        f = b.fields
+        p = b.inputs
+        st = p.begin()
+        f, put = p.fields, p.put
         hb = plan.host_metadata.numpy()
 
         def host(name: str) -> np.ndarray:
             a, e = meta.field_offsets[name]
             return hb[a:e]
-
-        def put(name: str, values: np.ndarray, fill) -> None:
-            a, e = f[name]
-            st[a : a + len(values)] = values
-            st[a + len(values) : e] = fill
 
         a, e = f["ids"]
         ids = st[a:e].reshape(_KEYS, b.tokens)
@@ -227,8 +307,7 @@ class CachedStackGraphs:
         put("cand_rows", layout.candidate_rows.numpy(), 0)
         a = f["kv_indices"][0]
         st[a : a + m] = indices  # only the batch's pages are read (kv_indptr says where they end)
-        b.ints[: a + m].copy_(b.staging[i][: a + m], non_blocking=True)
-        b.staged[i].record()
+        p.send(a + m)
 
     def _new_bucket(self, key: tuple, hist: int, device: torch.device) -> _Bucket:
         users, tokens, new, max_q = key[:4]
@@ -236,17 +315,10 @@ class CachedStackGraphs:
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
                  ("kv_indices", self.cache.config.num_pages))
-        fields, at = {}, 0
-        for name, size in sizes:
-            fields[name] = (at, at + size)
-            at += size
         d = self.model.config.embedding_dim
         x = torch.zeros(tokens, d, dtype=self.model.output_norm.weight.dtype, device=device)
-        b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, hist=hist, fields=fields,
-                    ints=torch.zeros(at, dtype=torch.int64, device=device),
-                    staging=(staging := [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]),
-                    staging_np=[t.numpy() for t in staging],
-                    staged=[torch.cuda.Event(), torch.cuda.Event()],
+        b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, hist=hist,
+                    inputs=PackedInputs(sizes, device),
                     scratch_slots=self._scratch * page + np.arange(new, dtype=np.int64) % page,
                     x=x, ys=[x] + [torch.empty_like(x) for _ in self.model.layers],
                     normed=[torch.empty_like(x) for _ in self.model.layers])
@@ -325,29 +397,10 @@ class CachedStackGraphs:
             self._launches[(*shape, hist)] = launch
         return (*shape, launch), hist
 
-    def _make_room(self) -> bool:
-        """Whether a new bucket may be captured: below ``max_buckets``, or after dropping the least
-        recently used one, if it has been idle ``idle_steps`` steps. Its graphs may still be
-        running: CUDA frees an executable graph when its launches finish, and the pool's memory
-        it held is taken only by later captures, whose replays queue behind it on this stream."""
-        if len(self._buckets) < self.max_buckets:
-            return True
-        key, lru = next(iter(self._buckets.items()))
-        if self._steps - lru.last_used <= self.idle_steps:
-            return False
-        del self._buckets[key]
-        self._seen.pop(key, None)
-        self.evictions += 1
-        logger.info("dropped bucket %s (idle %d steps) for a new shape", key, self._steps - lru.last_used)
-        return True
-
     def step(self, layout: TokenLayout, plan: BatchPlan) -> torch.Tensor | None:
         """The step's candidate logits ``[sum C, num_tasks]`` (a fresh tensor), or None when it
-        runs eagerly: a bucket is captured the ``capture_after``-th time it is seen (a capture
-        costs far more than an eager step), at most ``max_buckets`` of them; when they are all
-        taken, the least recently used one is dropped for a new one if it has been idle
-        ``idle_steps`` steps, else the new shape runs eagerly; a bucket whose capture failed stays
-        eager. ``layout`` must be the one built on the host for ``plan``
+        runs eagerly (`GraphBuckets`: a bucket not made yet, or whose capture failed; or no
+        scratch page yet). ``layout`` must be the one built on the host for ``plan``
         (`RankingEngine.prepare` keeps it there). Graphs hold the addresses of the cache's table
         and the model's weights: a moved cache drops them (they are captured again); moving the
         model's weights needs a new `CachedStackGraphs`."""
@@ -368,12 +421,8 @@ class CachedStackGraphs:
         if key in self._failed:
             return None
         with torch.cuda.device(table.device):
-            b = self._buckets.get(key)
-            if b is None:
-                if len(self._seen) > 16 * self.max_buckets:  # many one-off shapes: forget the uncaptured
-                    self._seen = {k: n for k, n in self._seen.items() if k in self._buckets}
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if self._seen[key] < self.capture_after or not self._make_room():
+            if key not in self._buckets:
+                if not self._admit(key):
                     return None
                 if self._scratch is None:
                     # NOTE: one page for good, taken when the first bucket is made (so an engine
@@ -383,9 +432,8 @@ class CachedStackGraphs:
                     except ValueError as exc:
                         logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
                         return None
-                b = self._buckets[key] = self._new_bucket(key, hist, table.device)
-            self._buckets.move_to_end(key)
-            b.last_used = self._steps
+                self._buckets[key] = self._new_bucket(key, hist, table.device)
+            b = self._use(key)
             layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
             self._load(b, layout, plan)
             if (b.layered if layered else b.whole) is None:
@@ -393,9 +441,7 @@ class CachedStackGraphs:
                     self._capture(b, plan, layered)
                 except torch.OutOfMemoryError as exc:
                     # NOTE: the warm-up wrote this plan's own K/V (the eager step rewrites the same)
-                    logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
-                    del self._buckets[key]
-                    self._failed.add(key)
+                    self._capture_failed(key, exc)
                     return None
             if layered:
                 graphs, logits = b.layered

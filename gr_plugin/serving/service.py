@@ -168,7 +168,7 @@ class RankingService:
     def _counters(self) -> dict[str, Any]:
         with self._counters_lock:
             out = dataclasses.asdict(self.counters)
-        graphs = self.engine.graphs
+        graphs = self.engine.graphs if self.engine.graphs is not None else self.engine.full_graphs
         if graphs is not None:  # CUDA-graph captures (one-time, slow) and replays of the engine
             out.update(graph_captures=graphs.captures, graph_replays=graphs.replays)
         return out

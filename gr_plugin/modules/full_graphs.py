@@ -1,0 +1,179 @@
+"""`FullStackGraphs`: full passes (no cache) of an `HSTURanker` as CUDA graphs, per shape bucket.
+
+The recompute engine's counterpart of `CachedStackGraphs` (``RankingEngine(model, None,
+cuda_graphs=True)``), so that a comparison of the two engines sets graphs against graphs: the
+same packing of a step's ints on the host into one pinned copy (`PackedInputs`), the same capture
+the ``capture_after``-th time a bucket is seen, at most ``max_buckets`` of them, the least recently
+used given up once idle. A graph runs the embedding lookups, the layer stack (`full_stack`, whose
+jagged attention a captured launch on Hopper takes on the Gluon kernel) and the head.
+
+A bucket (`full_bucket_key`) is the users plus one padding user, each user's rows at most ``max_q``
+(the longest sequence rounded up to an eighth of its power of two) and the rows rounded up in steps
+of an eighth of their power of two, at most ``max_q``: a stream of growing histories takes a few
+buckets an octave. The padding rows are the padding user's candidates with no history (each sees
+only itself; its rows are dropped), padding users past it are empty and padding ids are 0 (a valid
+row of every table). The kernels read every length from the device, so a replay computes the eager
+pass over the same rows; the bucket's launch (its ``max_q`` and rows) may cut the keys into other
+splits than the eager launch, which adds the same products in another order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from gr_plugin.modules.graphs import (
+    _KEYS,
+    _TRITON_HEAD_DIMS,
+    EXACT_USERS,
+    Q_QUANTUM,
+    GraphBuckets,
+    PackedInputs,
+    _pow2,
+    _round_up,
+)
+from gr_plugin.modules.hstu import HSTURanker, full_stack
+from gr_plugin.modules.tokens import TokenLayout
+from gr_plugin.ops.hstu_attention import _use_triton
+
+logger = logging.getLogger(__name__)
+
+
+def _eighth(x: int, quantum: int) -> int:
+    """``x`` rounded up to a multiple of an eighth of its power of two (at least of ``quantum``)."""
+    return _round_up(max(x, 1), max(quantum, _pow2(x) // 8))
+
+
+def full_bucket_key(batch_size: int, num_tokens: int, max_q_len: int,
+                    q_quantum: int = Q_QUANTUM) -> tuple[int, int, int]:
+    """``(users, tokens, max_q)`` of a full pass's bucket: the users plus one padding user (exactly
+    below `EXACT_USERS`, else up to a power of two: the rest are empty); each user's rows at most
+    (``max_q_len`` up to an eighth of its power of two, at least ``q_quantum``: the attention's
+    ``max_seq_len``); the rows past the real ones (at least one) up to a multiple of an eighth of
+    their power of two or of ``max_q``, whichever is smaller, so that the padding user's rows fit
+    in ``max_q``."""
+    if batch_size < 1 or num_tokens < batch_size or max_q_len < 1:
+        raise ValueError(f"a full pass needs users with rows, got {batch_size} users, {num_tokens} rows, at "
+                         f"most {max_q_len} a user")
+    max_q = _eighth(max_q_len, q_quantum)
+    tokens = _round_up(num_tokens + 1, min(max(q_quantum, _pow2(num_tokens + 1) // 8), max_q))
+    users = batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
+    return users, tokens, max_q
+
+
+@dataclasses.dataclass
+class _Rows:
+    """The token layout a graph's layers read (`HSTULayer.attend_jagged`): views of the bucket's ints."""
+
+    q_offsets: torch.Tensor
+    candidate_lengths: torch.Tensor
+    max_q_len: int
+
+
+@dataclasses.dataclass
+class _FullBucket:
+    users: int
+    tokens: int
+    max_q: int
+    inputs: PackedInputs  # ids, q_offsets, candidate_lengths, cand_rows
+    rows: _Rows
+    last_used: int = 0
+    graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph, its logits
+
+
+class FullStackGraphs(GraphBuckets):
+    """See the module docstring; the buckets' bookkeeping is `GraphBuckets`'."""
+
+    def __init__(self, model: HSTURanker, max_buckets: int = 32, capture_after: int = 2, q_quantum: int = Q_QUANTUM,
+                 idle_steps: int | None = None) -> None:
+        super().__init__(max_buckets, capture_after, idle_steps)
+        if q_quantum < 1:
+            raise ValueError(f"q_quantum must be >= 1, got {q_quantum}")
+        self.model, self.q_quantum = model, q_quantum
+        self._pool = None
+
+    def supported(self, device: torch.device) -> bool:
+        """Whether full passes on ``device`` can be graphed: CUDA, the Triton kernels serving the
+        attention (the reference needs host sizes) and embedding tables read by direct lookups."""
+        if device.type != "cuda" or self.model.config.head_dim not in _TRITON_HEAD_DIMS:
+            return False
+        probe = torch.empty(0, 1, self.model.config.head_dim, dtype=self.model.output_norm.weight.dtype,
+                            device=device)
+        return _use_triton(probe) and self.model.embeds_by_lookup
+
+    def _forward(self, b: _FullBucket) -> torch.Tensor:
+        x = self.model.embed_ids(b.inputs.view("ids").view(_KEYS, b.tokens))
+        return self.model.head_rows(full_stack(self.model.layers, x, b.rows), b.inputs.view("cand_rows"))
+
+    def _new_bucket(self, key: tuple[int, int, int], device: torch.device) -> _FullBucket:
+        users, tokens, max_q = key
+        inputs = PackedInputs((("ids", _KEYS * tokens), ("q_offsets", users + 1), ("candidate_lengths", users),
+                               ("cand_rows", tokens)), device)
+        rows = _Rows(inputs.view("q_offsets"), inputs.view("candidate_lengths"), max_q)
+        return _FullBucket(users, tokens, max_q, inputs, rows)
+
+    def _load(self, b: _FullBucket, layout: TokenLayout) -> None:
+        nq, bsz = layout.num_query_tokens, layout.candidate_lengths.numel()
+        p = b.inputs
+        st = p.begin()
+        a, e = p.fields["ids"]
+        ids = st[a:e].reshape(_KEYS, b.tokens)
+        ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
+        ids[:, nq:] = 0
+        p.put("q_offsets", layout.q_offsets.numpy(), b.tokens)  # the padding user's rows are [nq, tokens)
+        p.put("candidate_lengths", layout.candidate_lengths.numpy(), 0)
+        st[p.fields["candidate_lengths"][0] + bsz] = b.tokens - nq  # ... all candidates, no history
+        p.put("cand_rows", layout.candidate_rows.numpy(), 0)
+        p.send()
+
+    def _capture(self, b: _FullBucket) -> None:
+        dev = b.inputs.ints.device
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.no_grad():
+            self._forward(b)  # warm-up (compiles, allocator) outside the capture
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
+            logits = self._forward(b)
+        self._pool = g.pool() if self._pool is None else self._pool
+        b.graph = (g, logits)
+        self.captures += 1
+        logger.info("captured the full pass for bucket %s", (b.users, b.tokens, b.max_q))
+
+    def step(self, layout: TokenLayout) -> torch.Tensor | None:
+        """The full pass's candidate logits ``[sum C, num_tasks]`` (a fresh tensor) for ``layout``
+        (built on the host, nothing cached), or None when it runs eagerly (`GraphBuckets`: a bucket
+        not made yet, or whose capture failed). Graphs hold the addresses of the model's weights:
+        moving them needs a new `FullStackGraphs`."""
+        if layout.q_offsets.device.type != "cpu":
+            raise ValueError(f"FullStackGraphs.step needs the layout built on the host, got one on "
+                             f"{layout.q_offsets.device}")
+        if not torch.equal(layout.new_lengths, layout.history_lengths):
+            raise ValueError(f"FullStackGraphs.step takes a full pass's layout (no history cached), got new "
+                             f"lengths {layout.new_lengths.tolist()} of histories {layout.history_lengths.tolist()}")
+        device = self.model.output_norm.weight.device
+        key = full_bucket_key(layout.candidate_lengths.numel(), layout.num_query_tokens, layout.max_q_len,
+                              self.q_quantum)
+        self._steps += 1
+        if key in self._failed:
+            return None
+        with torch.cuda.device(device):
+            if key not in self._buckets:
+                if not self._admit(key):
+                    return None
+                self._buckets[key] = self._new_bucket(key, device)
+            b = self._use(key)
+            self._load(b, layout)
+            if b.graph is None:
+                try:
+                    self._capture(b)
+                except torch.OutOfMemoryError as exc:
+                    self._capture_failed(key, exc)
+                    return None
+            g, logits = b.graph
+            g.replay()
+            self.replays += 1
+            return logits[: layout.candidate_rows.numel()].clone()

@@ -1,0 +1,87 @@
+"""`full_bucket_key` and `FullStackGraphs`' host side (no GPU needed; capture and replay are in
+tests/gpu/test_full_graphs.py): every user of a batch fits its bucket, the padding stays a bounded
+share of the rows, a growing stream takes few buckets, bad input is refused."""
+
+import pytest
+import torch
+
+from gr_plugin.modules.full_graphs import FullStackGraphs, full_bucket_key
+from gr_plugin.modules.graphs import EXACT_USERS
+from tests.modules.helpers import User, make_inputs, tiny_model
+
+
+@pytest.mark.parametrize("q_quantum", [128, 48, 1])
+def test_every_user_of_a_full_pass_fits_its_bucket(q_quantum):
+    """Batches of 1..10 users of 1..5000 rows each: the users plus a padding user, more rows than the
+    real ones, every real user's rows and the padding user's (the rest) within ``max_q``; the
+    padding under an eighth of the rows' power of two (or one ``q_quantum``), ``max_q`` under an
+    eighth of the longest user's power of two above it."""
+    g = torch.Generator().manual_seed(0)
+    for bs in range(1, 11):
+        for _ in range(30):
+            lens = torch.randint(1, 5001, (bs,), generator=g).tolist()
+            n, longest = sum(lens), max(lens)
+            users, tokens, max_q = full_bucket_key(bs, n, longest, q_quantum)
+            assert users >= bs + 1 and (users == bs + 1 or users & (users - 1) == 0)
+            assert longest <= max_q and 0 < tokens - n <= max_q
+            pow2 = 1 << n.bit_length()  # the power of two above n (n + 1 rows at least)
+            assert tokens - n <= max(q_quantum, pow2 // 8)
+            assert max_q - longest < max(q_quantum, (1 << (longest - 1).bit_length()) // 8)
+
+
+def test_a_growing_stream_takes_few_buckets():
+    """The e2e suite's stream (histories 256 -> 4096 in steps of 128, 256 candidates, every user of
+    a batch alike): 30 visits of each batch size map to 22-23 buckets, under the default
+    ``max_buckets`` (32), so a warmed engine replays every step."""
+    for bs, count in ((1, 22), (2, 22), (4, 22), (8, 23)):
+        keys = {full_bucket_key(bs, bs * (h + 256), h + 256) for h in range(256, 4097, 128)}
+        assert len(keys) == count
+        assert all(users == (bs + 1 if bs + 1 < EXACT_USERS else 16) for users, _, _ in keys)
+
+
+def test_bad_shapes_and_settings_are_refused():
+    with pytest.raises(ValueError, match="got 0 users, 10 rows, at most 10 a user"):
+        full_bucket_key(0, 10, 10)
+    with pytest.raises(ValueError, match="got 3 users, 2 rows"):
+        full_bucket_key(3, 2, 1)
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="q_quantum must be >= 1, got 0"):
+        FullStackGraphs(model, q_quantum=0)
+    with pytest.raises(ValueError, match="max_buckets and capture_after must be >= 1, got 32 and 0"):
+        FullStackGraphs(model, capture_after=0)
+
+
+def test_a_cached_layout_is_refused_and_nothing_is_counted():
+    """`FullStackGraphs.step` takes a full pass's layout only: one built with cached history is a
+    ValueError naming the lengths, before any bucket is made or counted. On a CPU the graphs are
+    not supported, and an engine asked for CUDA graphs there runs eagerly."""
+    from gr_plugin.inference import RankingEngine
+    from gr_plugin.modules.tokens import build_token_layout
+
+    model = tiny_model(0)
+    graphs = FullStackGraphs(model)
+    assert not graphs.supported(torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    users = [User(0, g), User(1, g)]
+    for u in users:
+        u.grow(12)
+    history, candidates, _, _ = make_inputs(users, [u.candidates(3) for u in users])
+    cached = build_token_layout(history, candidates, torch.tensor([4, 0]), model.config.max_positions)
+    with pytest.raises(ValueError, match=r"no history cached\), got new lengths \[8, 12\] of histories \[12, 12\]"):
+        graphs.step(cached)
+    assert graphs._steps == 0 and not graphs._seen and not graphs._buckets
+    engine = RankingEngine(model, None, "cpu", cuda_graphs=True)
+    assert engine.full_graphs is None and engine.graphs is None
+
+
+def test_a_bucket_is_made_the_capture_after_th_time_its_key_is_seen():
+    """`GraphBuckets._admit`: a key's bucket is made on its ``capture_after``-th sighting (room
+    permitting); past 16 x ``max_buckets`` keys seen, the uncaptured ones are forgotten."""
+    graphs = FullStackGraphs(tiny_model(0), max_buckets=2, capture_after=3)
+    assert [graphs._admit("a") for _ in range(4)] == [False, False, True, True]
+    graphs._buckets["a"] = object()  # "a" captured
+    for i in range(32):
+        graphs._admit(i)
+    assert len(graphs._seen) == 33  # "a" and 0..31: 32 and 33 keys were not past 32 when counted
+    graphs._admit("z")  # 33 keys seen: the uncaptured forgotten, then "z" counted
+    assert graphs._seen == {"a": 4, "z": 1}
