@@ -33,7 +33,7 @@ def _visits(head_dim: int, n_users: int, grows, capture_after: int = 1, **graph_
             layout = build_token_layout(history, candidates, None, model.config.max_positions)
             graphed = graphs.step(layout)
             assert graphed is not None
-            eager = model(history.cuda(), candidates.cuda())
+            eager = model(history.to("cuda"), candidates.to("cuda"))
         graphed, eager = graphed.float().cpu(), eager.float().cpu()
         assert graphed.shape == eager.shape == exact.shape
         worst_graph = max(worst_graph, (graphed - exact).abs().max().item())
