@@ -148,8 +148,9 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
         engines = {"graph": RankingEngine(model, graph_cache, device, cuda_graphs=cuda),
                    "eager": RankingEngine(model, eager_cache, device),
                    "full": RankingEngine(model, None, device)}
-        if cuda:  # the recompute as CUDA graphs too (`FullStackGraphs`): graphs against graphs
-            engines["full_graph"] = RankingEngine(model, None, device, cuda_graphs=True)
+        full_graph = RankingEngine(model, None, device, cuda_graphs=cuda)
+        if full_graph.full_graphs is not None:  # the recompute as CUDA graphs too: graphs against graphs
+            engines["full_graph"] = full_graph
         caches = (graph_cache, eager_cache)
         warm_s = 0.0
         if warm_pass:

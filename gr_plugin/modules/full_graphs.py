@@ -26,41 +26,43 @@ import torch
 
 from gr_plugin.modules.graphs import (
     _KEYS,
-    _TRITON_HEAD_DIMS,
-    EXACT_USERS,
+    CAPTURE_ERRORS,
     Q_QUANTUM,
     GraphBuckets,
     PackedInputs,
     _pow2,
     _round_up,
+    bucket_users,
+    graphable,
+    pack_layout,
 )
 from gr_plugin.modules.hstu import HSTURanker, full_stack
 from gr_plugin.modules.tokens import TokenLayout
-from gr_plugin.ops.hstu_attention import _use_triton
 
 logger = logging.getLogger(__name__)
 
 
 def _eighth(x: int, quantum: int) -> int:
-    """``x`` rounded up to a multiple of an eighth of its power of two (at least of ``quantum``)."""
+    """``x`` rounded up to a multiple of an eighth of the power of two at or above it (at least of
+    ``quantum``): a quarter of the octave's lower end, so up to 25% more just past a power of two,
+    four steps an octave."""
     return _round_up(max(x, 1), max(quantum, _pow2(x) // 8))
 
 
 def full_bucket_key(batch_size: int, num_tokens: int, max_q_len: int,
                     q_quantum: int = Q_QUANTUM) -> tuple[int, int, int]:
-    """``(users, tokens, max_q)`` of a full pass's bucket: the users plus one padding user (exactly
-    below `EXACT_USERS`, else up to a power of two: the rest are empty); each user's rows at most
-    (``max_q_len`` up to an eighth of its power of two, at least ``q_quantum``: the attention's
-    ``max_seq_len``); the rows past the real ones (at least one) up to a multiple of an eighth of
-    their power of two or of ``max_q``, whichever is smaller, so that the padding user's rows fit
-    in ``max_q``."""
+    """``(users, tokens, max_q)`` of a full pass's bucket: the users plus one padding user
+    (`bucket_users`); each user's rows at most ``max_q`` (``max_q_len`` rounded up by `_eighth`, at
+    least to ``q_quantum``: the attention's ``max_seq_len``); the rows past the real ones (at least
+    one) up to a multiple of an eighth of the power of two at or above ``num_tokens + 1`` (at least
+    ``q_quantum``) or of ``max_q``, whichever is smaller, so that the padding user's rows fit in
+    ``max_q``."""
     if batch_size < 1 or num_tokens < batch_size or max_q_len < 1:
         raise ValueError(f"a full pass needs users with rows, got {batch_size} users, {num_tokens} rows, at "
                          f"most {max_q_len} a user")
     max_q = _eighth(max_q_len, q_quantum)
     tokens = _round_up(num_tokens + 1, min(max(q_quantum, _pow2(num_tokens + 1) // 8), max_q))
-    users = batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
-    return users, tokens, max_q
+    return bucket_users(batch_size), tokens, max_q
 
 
 @dataclasses.dataclass
@@ -95,13 +97,8 @@ class FullStackGraphs(GraphBuckets):
         self._pool = None
 
     def supported(self, device: torch.device) -> bool:
-        """Whether full passes on ``device`` can be graphed: CUDA, the Triton kernels serving the
-        attention (the reference needs host sizes) and embedding tables read by direct lookups."""
-        if device.type != "cuda" or self.model.config.head_dim not in _TRITON_HEAD_DIMS:
-            return False
-        probe = torch.empty(0, 1, self.model.config.head_dim, dtype=self.model.output_norm.weight.dtype,
-                            device=device)
-        return _use_triton(probe) and self.model.embeds_by_lookup
+        """Whether full passes on ``device`` can be graphed (`graphable`)."""
+        return graphable(self.model, self.model.config.head_dim, device)
 
     def _forward(self, b: _FullBucket) -> torch.Tensor:
         x = self.model.embed_ids(b.inputs.view("ids").view(_KEYS, b.tokens))
@@ -115,17 +112,14 @@ class FullStackGraphs(GraphBuckets):
         return _FullBucket(users, tokens, max_q, inputs, rows)
 
     def _load(self, b: _FullBucket, layout: TokenLayout) -> None:
-        nq, bsz = layout.num_query_tokens, layout.candidate_lengths.numel()
+        """Pack the pass's ints into a pinned buffer and copy it to the bucket in one non-blocking copy
+        (`PackedInputs`); every tail is reset (the bucket's previous pass may have had more rows)."""
+        bsz = layout.candidate_lengths.numel()
         p = b.inputs
         st = p.begin()
-        a, e = p.fields["ids"]
-        ids = st[a:e].reshape(_KEYS, b.tokens)
-        ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
-        ids[:, nq:] = 0
-        p.put("q_offsets", layout.q_offsets.numpy(), b.tokens)  # the padding user's rows are [nq, tokens)
+        pack_layout(p, layout, b.tokens)
         p.put("candidate_lengths", layout.candidate_lengths.numpy(), 0)
-        st[p.fields["candidate_lengths"][0] + bsz] = b.tokens - nq  # ... all candidates, no history
-        p.put("cand_rows", layout.candidate_rows.numpy(), 0)
+        st[p.fields["candidate_lengths"][0] + bsz] = b.tokens - layout.num_query_tokens  # the padding user's
         p.send()
 
     def _capture(self, b: _FullBucket) -> None:
@@ -133,7 +127,9 @@ class FullStackGraphs(GraphBuckets):
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.no_grad():
-            self._forward(b)  # warm-up (compiles, allocator) outside the capture
+            # warm-up outside the capture (the allocator, the kernels an eager pass runs); on Hopper a
+            # captured attention takes the Gluon kernel instead, compiled on its first capture
+            self._forward(b)
         torch.cuda.current_stream(dev).wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
@@ -170,7 +166,7 @@ class FullStackGraphs(GraphBuckets):
             if b.graph is None:
                 try:
                     self._capture(b)
-                except torch.OutOfMemoryError as exc:
+                except CAPTURE_ERRORS as exc:
                     self._capture_failed(key, exc)
                     return None
             g, logits = b.graph

@@ -46,6 +46,10 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+# NOTE: a capture that fails with one of these leaves its bucket eager for good (`GraphBuckets`): out of
+# memory, or an error raised while capturing (e.g. an op that syncs with the host, or a kernel that
+# cannot load); the eager step then runs, and raises itself if the step is at fault.
+CAPTURE_ERRORS = (torch.OutOfMemoryError, RuntimeError)
 EXACT_USERS = 8  # buckets of fewer users (padding user included) key on the exact count
 TOKEN_QUANTUM, NEW_QUANTUM, Q_QUANTUM = 256, 128, 128  # `CachedStackGraphs`' default paddings
 HISTORY_QUANTUM = 1024  # the least history bound (`history_bound`)
@@ -62,6 +66,36 @@ def history_bound(max_history_len: int, capacity: int) -> int:
     return max(1, min(capacity, max(HISTORY_QUANTUM, _pow2(max_history_len))))
 
 
+def bucket_users(batch_size: int) -> int:
+    """A bucket's users: the real ones plus one padding user, exactly below `EXACT_USERS`, else up
+    to a power of two (the rest are empty)."""
+    return batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
+
+
+def graphable(model: HSTURanker, head_dim: int, device: torch.device) -> bool:
+    """Whether a stack of ``model`` on ``device`` can run from CUDA graphs: CUDA, a head size the
+    Triton kernels serve and serving the attention (not the reference, e.g. with
+    ``GR_PLUGIN_ATTENTION=reference``: it needs host sizes), and embedding tables read by direct
+    lookups (a sharded module runs eagerly)."""
+    if device.type != "cuda" or head_dim not in _TRITON_HEAD_DIMS:
+        return False
+    probe = torch.empty(0, 1, head_dim, dtype=model.output_norm.weight.dtype, device=device)
+    return _use_triton(probe) and model.embeds_by_lookup
+
+
+def pack_layout(p: PackedInputs, layout: TokenLayout, tokens: int) -> None:
+    """A graph step's fields from its host ``layout`` in ``p``'s current buffer: ``ids`` (key-major,
+    padding rows 0), ``q_offsets`` (the users past the real ones end at ``tokens``: the padding user
+    holds ``[nq, tokens)``) and ``cand_rows`` (padded with row 0, dropped after the head)."""
+    nq = layout.num_query_tokens
+    a, e = p.fields["ids"]
+    ids = p.buffer()[a:e].reshape(_KEYS, tokens)
+    ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
+    ids[:, nq:] = 0
+    p.put("q_offsets", layout.q_offsets.numpy(), tokens)
+    p.put("cand_rows", layout.candidate_rows.numpy(), 0)
+
+
 def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int,
                token_quantum: int = TOKEN_QUANTUM, new_quantum: int = NEW_QUANTUM,
                q_quantum: int = Q_QUANTUM) -> tuple[int, int, int, int]:
@@ -76,7 +110,7 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
     power of two of users) or every row as one user's (``max_q_len`` = all rows), a bs-4 bucket took
     1 split where 2 fill the SMs (H200: 0.084 vs 0.054 ms a layer, docs/BENCHMARKS.md)."""
     tokens = _round_up(num_query_tokens + 1, token_quantum)
-    users = batch_size + 1 if batch_size + 1 < EXACT_USERS else _pow2(batch_size + 1)
+    users = bucket_users(batch_size)
     max_q = min(tokens, max(_round_up(max_q_len, q_quantum), token_quantum))
     return users, tokens, _round_up(max(num_new_tokens, 1), new_quantum), max_q
 
@@ -94,10 +128,12 @@ class PackedInputs:
         for name, size in sizes:
             self.fields[name] = (at, at + size)
             at += size
+        cuda = device.type == "cuda"  # (off CUDA, e.g. in CPU tests: plain buffers, no events)
         self.ints = torch.zeros(at, dtype=torch.int64, device=device)
-        self._staging = [torch.zeros(at, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._staging = [torch.zeros(at, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._staging_np = [t.numpy() for t in self._staging]
-        self._staged = [torch.cuda.Event(), torch.cuda.Event()]  # recorded after each buffer's last copy
+        # recorded after each buffer's last copy
+        self._staged = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         self._turn = 0
 
     def view(self, name: str) -> torch.Tensor:
@@ -106,7 +142,12 @@ class PackedInputs:
 
     def begin(self) -> np.ndarray:
         """The host buffer this step fills (numpy), its previous copy done."""
-        self._staged[self._turn].synchronize()
+        if self._staged is not None:
+            self._staged[self._turn].synchronize()
+        return self._staging_np[self._turn]
+
+    def buffer(self) -> np.ndarray:
+        """The current host buffer (numpy), as `begin` handed it out."""
         return self._staging_np[self._turn]
 
     def put(self, name: str, values: np.ndarray, fill) -> None:
@@ -121,7 +162,8 @@ class PackedInputs:
         i = self._turn
         n = self.ints.numel() if end is None else end
         self.ints[:n].copy_(self._staging[i][:n], non_blocking=True)
-        self._staged[i].record()
+        if self._staged is not None:
+            self._staged[i].record()
         self._turn ^= 1
 
 
@@ -236,15 +278,13 @@ class CachedStackGraphs(GraphBuckets):
         """Whether steps on ``device`` can be graphed: CUDA, the Triton kernels serving attention
         (not the reference, e.g. with ``GR_PLUGIN_ATTENTION=reference``: it needs host sizes) and
         the append, and embedding tables read by direct lookups (a sharded module runs eagerly)."""
-        if device.type != "cuda" or self.cache.config.head_dim not in _TRITON_HEAD_DIMS:
+        if not graphable(self.model, self.cache.config.head_dim, device):
             return False
         try:
             import gr_plugin.ops.triton.append_kv  # noqa: F401
         except ImportError:
             return False
-        probe = torch.empty(0, 1, self.cache.config.head_dim, dtype=self.model.output_norm.weight.dtype,
-                            device=device)
-        return _use_triton(probe) and self.model.embeds_by_lookup
+        return True
 
     # ------------------------------------------------------------------ what a graph runs
     def _embed(self, b: _Bucket) -> None:
@@ -280,7 +320,7 @@ class CachedStackGraphs(GraphBuckets):
         bucket in one non-blocking copy. Every tail is reset: a bucket's previous step may have had
         more users or tokens, and a stale slot would make a padding row overwrite a real page."""
         meta = plan.metadata
-        n, m, nq = meta.num_new_tokens, meta.num_batch_pages, layout.num_query_tokens
+        n, m = meta.num_new_tokens, meta.num_batch_pages
         p = b.inputs
         st = p.begin()
         f, put = p.fields, p.put
@@ -290,11 +330,7 @@ class CachedStackGraphs(GraphBuckets):
             a, e = meta.field_offsets[name]
             return hb[a:e]
 
-        a, e = f["ids"]
-        ids = st[a:e].reshape(_KEYS, b.tokens)
-        ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
-        ids[:, nq:] = 0
-        put("q_offsets", layout.q_offsets.numpy(), b.tokens)  # the padding user's segment is [nq, tokens)
+        pack_layout(p, layout, b.tokens)
         put("rows", layout.new_rows.numpy(), 0)
         indptr, indices = host("kv_indptr"), host("kv_indices")
         pos, page_size = host("new_token_positions"), meta.page_size
@@ -304,7 +340,6 @@ class CachedStackGraphs(GraphBuckets):
         put("kv_indptr", indptr, m)
         put("total_lengths", host("total_lengths"), 0)
         put("new_lengths", host("new_lengths"), 0)
-        put("cand_rows", layout.candidate_rows.numpy(), 0)
         a = f["kv_indices"][0]
         st[a : a + m] = indices  # only the batch's pages are read (kv_indptr says where they end)
         p.send(a + m)
@@ -439,7 +474,7 @@ class CachedStackGraphs(GraphBuckets):
             if (b.layered if layered else b.whole) is None:
                 try:
                     self._capture(b, plan, layered)
-                except torch.OutOfMemoryError as exc:
+                except CAPTURE_ERRORS as exc:
                     # NOTE: the warm-up wrote this plan's own K/V (the eager step rewrites the same)
                     self._capture_failed(key, exc)
                     return None

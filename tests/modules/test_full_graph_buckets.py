@@ -2,6 +2,7 @@
 tests/gpu/test_full_graphs.py): every user of a batch fits its bucket, the padding stays a bounded
 share of the rows, a growing stream takes few buckets, bad input is refused."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,3 +86,69 @@ def test_a_bucket_is_made_the_capture_after_th_time_its_key_is_seen():
     assert len(graphs._seen) == 33  # "a" and 0..31: 32 and 33 keys were not past 32 when counted
     graphs._admit("z")  # 33 keys seen: the uncaptured forgotten, then "z" counted
     assert graphs._seen == {"a": 4, "z": 1}
+
+
+def test_a_full_set_counts_a_new_key_before_it_evicts_anything():
+    """`GraphBuckets._admit` asks for room only once a key has been seen ``capture_after`` times: a
+    first sighting leaves a full set of buckets (even one with an idle least recently used bucket)
+    as it is; the second drops that bucket."""
+    from types import SimpleNamespace
+
+    graphs = FullStackGraphs(tiny_model(0), max_buckets=1, capture_after=2, idle_steps=0)
+    graphs._buckets["old"] = SimpleNamespace(last_used=0)
+    graphs._steps = 5
+    assert not graphs._admit("new") and list(graphs._buckets) == ["old"] and graphs.evictions == 0
+    assert graphs._admit("new") and not graphs._buckets and graphs.evictions == 1
+
+
+def test_packed_inputs_fill_two_buffers_in_turn_and_reset_every_tail():
+    """`PackedInputs` (off CUDA: plain buffers, no events): each step fills the other host buffer,
+    `put` writes a field and its fill to the field's end, `send` copies the buffer (or its first
+    ``end`` ints) into ``ints``."""
+    from gr_plugin.modules.graphs import PackedInputs
+
+    p = PackedInputs((("a", 4), ("b", 3)), torch.device("cpu"))
+    first = p.begin()
+    p.put("a", np.array([1, 2]), 9)
+    p.put("b", np.array([5, 6, 7]), 0)
+    p.send()
+    assert p.view("a").tolist() == [1, 2, 9, 9] and p.view("b").tolist() == [5, 6, 7]
+    second = p.begin()
+    assert second is not first  # the buffer the first copy read is left alone
+    p.put("a", np.array([3]), 0)
+    p.send(end=4)  # only the first field goes
+    assert p.view("a").tolist() == [3, 0, 0, 0] and p.view("b").tolist() == [5, 6, 7]
+    assert p.begin() is first
+
+
+def test_a_full_pass_is_packed_with_its_padding_user_and_a_smaller_one_resets_the_tails():
+    """`FullStackGraphs._load` on the host: the ids key-major with padding rows 0, the padding user
+    ``[nq, tokens)`` all candidates, the users past it empty, the candidates' rows padded with 0;
+    a later pass with fewer rows and users in the same bucket leaves nothing of the first behind."""
+    from gr_plugin.modules.tokens import EMBEDDING_KEYS, build_token_layout
+
+    model = tiny_model(0)
+    graphs = FullStackGraphs(model)
+    g = torch.Generator().manual_seed(2)
+
+    def layout(sizes):
+        users = []
+        for i, n in enumerate(sizes):
+            users.append(User(i, g))
+            users[-1].grow(n)
+        h, c, _, _ = make_inputs(users, [u.candidates(2 + i) for i, u in enumerate(users)])
+        return build_token_layout(h, c, None, model.config.max_positions)
+
+    big, small = layout([30, 20, 25]), layout([10, 5])
+    b = graphs._new_bucket((8, 128, 64), torch.device("cpu"))
+    for lay in (big, big, small, small):  # each host buffer holds the big pass, then the small one
+        graphs._load(b, lay)
+        nq, bsz = lay.num_query_tokens, lay.candidate_lengths.numel()
+        ids = b.inputs.view("ids").view(len(EMBEDDING_KEYS), 128)
+        assert torch.equal(ids[:, :nq], lay.token_ids.view(len(EMBEDDING_KEYS), nq)) and not ids[:, nq:].any()
+        assert b.inputs.view("q_offsets").tolist() == lay.q_offsets.tolist() + [128] * (8 - bsz)
+        assert b.inputs.view("candidate_lengths").tolist() == \
+            lay.candidate_lengths.tolist() + [128 - nq] + [0] * (7 - bsz)
+        rows = b.inputs.view("cand_rows")
+        n = lay.candidate_rows.numel()
+        assert torch.equal(rows[:n], lay.candidate_rows) and not rows[n:].any()
