@@ -3,17 +3,20 @@
 python3 scripts/gpu/profile_step_stages.py [batch_size ...] -> per batch size, the median µs per step
 of each host stage of `RankingEngine.score` (validation, cache keys, lookup, begin, token layout,
 the graph step's bucket key / input packing (its buffer wait, layout fields, copy) / replay / logits
-clone, commit) and of the e2e
-suite's pipelined loop (`gr_plugin.bench.e2e._pipelined`) around it, over the e2e stream with one
-step in flight. Stages are timed with ``perf_counter`` wrappers (no profiler: cProfile's per-call
-cost distorts the many small numpy calls); a stage nested in another counts in both.
+clone, commit) and of the e2e suite's pipelined loop (`gr_plugin.bench.e2e._pipelined`) around it,
+over the e2e stream with one step in flight. ``PROFILE_TORCH_COPY=1``: the graph inputs' copy through
+``Tensor.copy_`` instead of the runtime's ``cudaMemcpyAsync``. Stages are timed with ``perf_counter``
+wrappers (no profiler: cProfile's per-call cost distorts the many small numpy calls); a stage nested
+in another counts in both.
 """
 
 import collections
 import functools
+import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -43,6 +46,9 @@ def timed(owner, attr: str, name: str) -> None:
 
 
 def main(batch_sizes):
+    if os.environ.get("PROFILE_TORCH_COPY"):  # the graph inputs' copy through Tensor.copy_ (no raw runtime)
+        graphs_mod.cudart = types.SimpleNamespace(runtime=lambda: None, H2D=1)
+        print("graph inputs copied with Tensor.copy_")
     torch.manual_seed(0)
     model = e2e.stream_model(torch.device("cuda"))
     for bs in batch_sizes:
