@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -115,6 +116,21 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
     return users, tokens, _round_up(max(num_new_tokens, 1), new_quantum), max_q
 
 
+# the events and host buffers of dropped `PackedInputs` whose raw copies may still be queued, oldest first
+_RETIRED: collections.deque = collections.deque()
+
+
+def _retire(events: list, buffers: list) -> None:
+    """Keep a dropped `PackedInputs`' host buffers until its copies have run (`_prune_retired`)."""
+    _RETIRED.append((events, buffers))
+
+
+def _prune_retired() -> None:
+    """Let go of the retired host buffers, oldest first, whose copies have run (their events done)."""
+    while _RETIRED and all(e.query() for e in _RETIRED[0][0]):
+        _RETIRED.popleft()
+
+
 class PackedInputs:
     """A graphed step's int inputs: named fields packed in one device buffer (``ints``), which two
     pinned host buffers fill in turn, one non-blocking copy a step. `begin` hands out the next host
@@ -129,18 +145,23 @@ class PackedInputs:
             self.fields[name] = (at, at + size)
             at += size
         cuda = device.type == "cuda"  # (off CUDA, e.g. in CPU tests: plain buffers, no events)
-        # NOTE: the copy goes through the runtime's cudaMemcpyAsync where it can (`cudart`: ~1 µs of
-        # host time against ~10 for `Tensor.copy_`, which also records the pinned block's use in
-        # torch's host allocator). That record is not needed here: the buffers live as long as this
-        # object, `begin` waits for a buffer's last copy before refilling it, and a dropped bucket's
-        # last copy only writes its own (dropped) device buffer, in stream order.
-        self._raw = cudart.runtime() if cuda else None
         self.ints = torch.zeros(at, dtype=torch.int64, device=device)
         self._staging = [torch.zeros(at, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._staging_np = [t.numpy() for t in self._staging]
         # recorded after each buffer's last copy
         self._staged = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         self._turn = 0
+        # NOTE: the copy goes through the runtime's cudaMemcpyAsync where it can (`cudart`; on the H200
+        # host 5.2 µs against 14.2 for `Tensor.copy_` at bs 1, docs/BENCHMARKS.md). Unlike `copy_`, it
+        # does not tell torch's pinned-memory allocator that the block is in use, so a host buffer freed
+        # with its copy still queued could be handed out again and rewritten before the GPU reads it
+        # (a dropped bucket's last replay, or a whole engine dropped, would then compute from it). The
+        # buffers are therefore retired, not freed, when this object goes (`_retire`): held until
+        # both events say their copies have run. The device buffer needs no such care: it is freed to
+        # the caching allocator on the stream that queued the copy, whose later work runs after it.
+        self._raw = cudart.runtime() if cuda else None
+        if self._raw is not None:
+            weakref.finalize(self, _retire, self._staged, self._staging)
 
     def view(self, name: str) -> torch.Tensor:
         a, b = self.fields[name]
@@ -168,12 +189,14 @@ class PackedInputs:
         i = self._turn
         n = self.ints.numel() if end is None else end
         if self._raw is not None:
-            self._raw.memcpy_async(self.ints.data_ptr(), self._staging[i].data_ptr(), 8 * n, cudart.H2D,
-                                   torch.cuda.current_stream(self.ints.device))
+            _prune_retired()
+            stream = torch.cuda.current_stream(self.ints.device)
+            self._raw.memcpy_async(self.ints.data_ptr(), self._staging[i].data_ptr(), 8 * n, cudart.H2D, stream)
+            self._staged[i].record(stream)
         else:
             self.ints[:n].copy_(self._staging[i][:n], non_blocking=True)
-        if self._staged is not None:
-            self._staged[i].record()
+            if self._staged is not None:
+                self._staged[i].record()
         self._turn ^= 1
 
 

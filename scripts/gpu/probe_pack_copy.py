@@ -4,10 +4,13 @@ python3 scripts/gpu/probe_pack_copy.py [batch_size ...]
 
 For a returning step of the e2e stream (`gr_plugin.bench.e2e`, graphed engine, warmed), p50 over
 300 calls each, timed with ``perf_counter`` (the GPU idle, every copy done before the next call):
-- ``_load``: the whole packing as the engine runs it (numpy fills, one ``Tensor.copy_``, an event);
+- ``_load``: the whole packing as the engine runs it (numpy fills, one copy: ``Tensor.copy_`` up to
+  commit dd92054, the runtime's ``cudaMemcpyAsync`` since; an event);
 - its numpy fills alone (the copy and the event left out);
 - the copy alone: ``Tensor.copy_`` (pinned host -> device, non-blocking) and ``cudaMemcpyAsync``
-  through ctypes (`gr_plugin.cache.cudart`) of the same bytes;
+  through ctypes (`gr_plugin.cache.cudart`) of the whole packed buffer (the engine sends only the
+  fields up to the batch's pages);
+The parts are timed one by one in tight loops, so they need not add up to ``_load``.
 - ``Event.record``, ``Event.synchronize`` of a completed event, and the step's other small host
   calls: ``logits[:n].clone()`` and ``with torch.cuda.device(...)``.
 """
@@ -75,7 +78,7 @@ def main(batch_sizes) -> None:
             lambda: p.ints[:n].copy_(staging[:n], non_blocking=True))
         if rt is not None:
             times["cudaMemcpyAsync through ctypes"] = p50_us(
-                lambda: rt.memcpy_async(p.ints.data_ptr(), staging.data_ptr(), 8 * n, 1, stream))
+                lambda: rt.memcpy_async(p.ints.data_ptr(), staging.data_ptr(), 8 * n, cudart.H2D, stream))
         times["Event.record"] = p50_us(ev.record)
         times["Event.synchronize (completed)"] = p50_us(ev.synchronize)
         times["logits[:n].clone()"] = p50_us(lambda: logits[: 256 * bs].clone())

@@ -121,6 +121,30 @@ def test_packed_inputs_fill_two_buffers_in_turn_and_reset_every_tail():
     assert p.begin() is first
 
 
+def test_retired_host_buffers_are_held_until_their_copies_have_run(monkeypatch):
+    """A dropped `PackedInputs` that copied through the runtime leaves its host buffers to `_RETIRED`
+    (torch's pinned allocator does not know of those copies); they go, oldest first, once every event
+    of theirs has completed, and not before."""
+    from gr_plugin.modules import graphs
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    monkeypatch.setattr(graphs, "_RETIRED", __import__("collections").deque())
+    first, second = [Event(True), Event(False)], [Event(True), Event(True)]
+    graphs._retire(first, ["buffers of the first"])
+    graphs._retire(second, ["buffers of the second"])
+    graphs._prune_retired()
+    assert [b for _, b in graphs._RETIRED] == [["buffers of the first"], ["buffers of the second"]]
+    first[1].done = True
+    graphs._prune_retired()
+    assert not graphs._RETIRED
+
+
 def test_a_full_pass_is_packed_with_its_padding_user_and_a_smaller_one_resets_the_tails():
     """`FullStackGraphs._load` on the host: the ids key-major with padding rows 0, the padding user
     ``[nq, tokens)`` all candidates, the users past it empty, the candidates' rows padded with 0;
