@@ -8,13 +8,14 @@ used given up once idle. A graph runs the embedding lookups, the layer stack (`f
 jagged attention a captured launch on Hopper takes on the Gluon kernel) and the head.
 
 A bucket (`full_bucket_key`) is the users plus one padding user, each user's rows at most ``max_q``
-(the longest sequence rounded up to an eighth of its power of two) and the rows rounded up in steps
-of an eighth of their power of two, at most ``max_q``: a stream of growing histories takes a few
-buckets an octave. The padding rows are the padding user's candidates with no history (each sees
-only itself; its rows are dropped), padding users past it are empty and padding ids are 0 (a valid
-row of every table). The kernels read every length from the device, so a replay computes the eager
-pass over the same rows; the bucket's launch (its ``max_q`` and rows) may cut the keys into other
-splits than the eager launch, which adds the same products in another order.
+(the longest sequence rounded up in steps of an eighth of the power of two at or above it: four
+steps an octave, up to 25% more) and the rows rounded up in steps of an eighth of theirs, at most
+``max_q``: a stream of growing histories takes a few buckets an octave. The padding rows are the
+padding user's candidates with no history (each sees only itself; its rows are dropped), padding
+users past it are empty and padding ids are 0 (a valid row of every table). The kernels read every
+length from the device, so a replay computes the eager pass over the same rows; the bucket's launch
+(its ``max_q`` and rows) may cut the keys into other splits than the eager launch, which adds the
+same products in another order.
 """
 
 from __future__ import annotations
