@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -125,10 +126,16 @@ def _retire(events: list, buffers: list) -> None:
     _RETIRED.append((events, buffers))
 
 
+_RETIRED_LOCK = threading.Lock()  # engines on other threads prune too: check and pop the same head
+
+
 def _prune_retired() -> None:
     """Let go of the retired host buffers, oldest first, whose copies have run (their events done)."""
-    while _RETIRED and all(e.query() for e in _RETIRED[0][0]):
-        _RETIRED.popleft()
+    if not _RETIRED:
+        return
+    with _RETIRED_LOCK:
+        while _RETIRED and all(e.query() for e in _RETIRED[0][0]):
+            _RETIRED.popleft()
 
 
 class PackedInputs:
