@@ -95,7 +95,6 @@ class FullStackGraphs(GraphBuckets):
         if q_quantum < 1:
             raise ValueError(f"q_quantum must be >= 1, got {q_quantum}")
         self.model, self.q_quantum = model, q_quantum
-        self._pool = None
 
     def supported(self, device: torch.device) -> bool:
         """Whether full passes on ``device`` can be graphed (`graphable`)."""
@@ -124,19 +123,10 @@ class FullStackGraphs(GraphBuckets):
         p.send()
 
     def _capture(self, b: _FullBucket) -> None:
-        dev = b.inputs.ints.device
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.no_grad():
-            # warm-up outside the capture (the allocator, the kernels an eager pass runs); on Hopper a
-            # captured attention takes the Gluon kernel instead, compiled on its first capture
-            self._forward(b)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
-            logits = self._forward(b)
-        self._pool = g.pool() if self._pool is None else self._pool
-        b.graph = (g, logits)
+        # warm-up outside the capture (the allocator, the kernels an eager pass runs); on Hopper a
+        # captured attention takes the Gluon kernel instead, compiled on its first capture
+        self._warm_up(b.inputs.ints.device, lambda: self._forward(b))
+        b.graph = self._graph(lambda: self._forward(b))
         self.captures += 1
         logger.info("captured the full pass for bucket %s", (b.users, b.tokens, b.max_q))
 

@@ -248,6 +248,7 @@ class GraphBuckets:
         self._steps = 0
         self._seen: dict[tuple[int, ...], int] = {}
         self._failed: set[tuple[int, ...]] = set()  # buckets whose capture failed: eager from then on
+        self._pool = None  # the graphs' one memory pool (`_graph`)
         self.captures = 0
         self.replays = 0
         self.evictions = 0
@@ -266,6 +267,25 @@ class GraphBuckets:
         b = self._buckets[key]
         b.last_used = self._steps
         return b
+
+    def _warm_up(self, device: torch.device, fn) -> None:
+        """Run ``fn`` once on a side stream, outside any capture (the allocator, the kernels' first
+        launches), ordered after and before the current stream's work."""
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _graph(self, fn) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``fn`` captured into a CUDA graph in the one memory pool every graph of this object shares
+        (they replay one after another on one stream): ``(graph, fn's result)``."""
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g, pool=self._pool):
+            out = fn()
+        if self._pool is None:
+            self._pool = g.pool()
+        return g, out
 
     def _capture_failed(self, key: tuple, exc: BaseException) -> None:
         logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
@@ -306,7 +326,6 @@ class CachedStackGraphs(GraphBuckets):
         self.model, self.cache = model, cache
         self.token_quantum, self.new_quantum = token_quantum, new_quantum
         self.q_quantum = q_quantum
-        self._pool = None
         cfg = cache.config
         self._max_history = cfg.num_pages * cfg.page_size
         self._launches: dict[tuple[int, ...], tuple] = {}  # (bucket shape, history bound) -> attention launch
@@ -401,52 +420,46 @@ class CachedStackGraphs(GraphBuckets):
 
     # ------------------------------------------------------------------ capture and replay
     def _capture(self, b: _Bucket, plan: BatchPlan, layered: bool) -> None:
-        dev = b.x.device
         layers = len(self.model.layers)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        # NOTE: warm-up writes this plan's own K/V into its own pages: the same values a replay writes.
-        with torch.cuda.stream(side), torch.no_grad():
+
+        def warm_up() -> None:
+            # NOTE: warm-up writes this plan's own K/V into its own pages: the same values a replay writes.
             self._embed(b)
             for i in range(layers):
                 projected = self._project(b, i)
                 self.cache.manager.wait_layer(plan, i)
                 self._attend(b, i, projected)
             self._head(b)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.no_grad():
-            if layered:
-                # NOTE: segment i ends with layer i's projection and segment i + 1 starts with its
-                # append, so a replay waits for layer i's pages between the two, as the eager step
-                # does (`KVCacheModule.forward`): the projection runs while the pages are copied.
-                # A projection crosses one graph boundary: it is held until the next segment is
-                # captured, then dropped, so the pool may reuse its memory in later segments (they
-                # replay after the one that reads it, on the same stream), not kept per layer.
-                graphs, projected = [], None
-                for i in range(layers + 1):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self._pool):
-                        if i == 0:
-                            self._embed(b)
-                        else:
-                            self._attend(b, i - 1, projected)
-                        if i < layers:
-                            following = self._project(b, i)
-                        else:
-                            logits = self._head(b)
-                    self._pool = g.pool() if self._pool is None else self._pool
-                    graphs.append(g)
-                    projected = following if i < layers else None
-                b.layered = (graphs, logits)
-            else:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._pool):
+
+        self._warm_up(b.x.device, warm_up)
+        if layered:
+            # NOTE: segment i ends with layer i's projection and segment i + 1 starts with its
+            # append, so a replay waits for layer i's pages between the two, as the eager step
+            # does (`KVCacheModule.forward`): the projection runs while the pages are copied.
+            # A projection crosses one graph boundary: it is held until the next segment is
+            # captured, then dropped, so the pool may reuse its memory in later segments (they
+            # replay after the one that reads it, on the same stream), not kept per layer.
+            def segment(i: int, projected):
+                if i == 0:
                     self._embed(b)
-                    for i in range(layers):
-                        self._layer(b, i)
-                    logits = self._head(b)
-                self._pool = g.pool() if self._pool is None else self._pool
-                b.whole = (g, logits)
+                else:
+                    self._attend(b, i - 1, projected)
+                return self._project(b, i) if i < layers else self._head(b)
+
+            graphs, projected = [], None
+            for i in range(layers + 1):
+                g, out = self._graph(lambda i=i, projected=projected: segment(i, projected))
+                graphs.append(g)
+                projected = out if i < layers else None
+            b.layered = (graphs, out)
+        else:
+            def whole() -> torch.Tensor:
+                self._embed(b)
+                for i in range(layers):
+                    self._layer(b, i)
+                return self._head(b)
+
+            b.whole = self._graph(whole)
         self.captures += 1
         logger.info("captured the cached step for bucket %s (%s)", (b.users, b.tokens, b.new, b.max_q, b.hist),
                     "in layer segments" if layered else "whole")
