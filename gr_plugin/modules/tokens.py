@@ -354,14 +354,17 @@ def keys_fit(num_items: int, num_actions: int, num_time_buckets: int) -> bool:
 
 
 def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: torch.Tensor, *,
-                     check: bool = True) -> torch.Tensor:
+                     check: bool = True, native: bool = True) -> torch.Tensor:
     """One int64 identity per history event: ``item << 24 | action << 16 | time_bucket``.
 
     Lossless within the checked ranges (item < 2**39, action < 2**8, time bucket < 2**16), so two
     histories share a cache key sequence only if every embedded feature agrees. CPU tensors.
     ``check=False`` skips the range checks: only for ids already validated against tables for
-    which `keys_fit` holds.
+    which `keys_fit` holds. Where the C++ core is loaded, in one pass there
+    (``torch.ops.gr_kv_core.cache_keys``; the numpy form here, ``native=False``, is its reference).
     """
+    if native and _native_ready((items, actions, time_buckets)):
+        return torch.ops.gr_kv_core.cache_keys(items, actions, time_buckets, check)
     for name, t, bits in (("item", items, _ITEM_BITS), ("action", actions, _ACTION_BITS),
                           ("time bucket", time_buckets, _TIME_BITS)):
         if check and t.numel():

@@ -221,3 +221,84 @@ def test_the_cpp_checks_pass_a_good_request_and_raise_the_reference_error_for_ea
         got = checked(*make(hl, cols, cl, cand))
         assert got is not None and got.startswith(message), (got, message)
     assert len(calls) == 1 + len(VALIDATE_BAD)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33, 1000])
+def test_the_cpp_range_check_finds_a_bad_id_at_every_position(n):
+    # the check's loop is vectorised (lanes of 2-8 values plus a scalar tail): a bad id in the first
+    # lane, the last lane and the tail each fail, with the reference's message
+    g = torch.Generator().manual_seed(n)
+    hl, cl = torch.tensor([n]), torch.tensor([1])
+    cols = (torch.randint(1, 1000, (n,), generator=g), torch.randint(0, 5, (n,), generator=g),
+            torch.randint(0, 32, (n,), generator=g))
+    cand = torch.tensor([3])
+    assert checked(hl, cols, cl, cand) is None
+    for at in sorted({0, n // 2, n - 1}):
+        for bad, message in ((-(2**63), f"time id {-(2**63)} is outside"), (2**63 - 1, f"time id {2**63 - 1} is"),
+                             (32, "time id 32 is outside the table range [0, 31]"), (-1, "time id -1 is outside")):
+            got = checked(hl, (*cols[:2], cols[2].index_fill(0, torch.tensor([at]), bad)), cl, cand)
+            assert got is not None and got.startswith(message), (at, bad, got)
+
+
+def test_a_table_without_valid_ids_refuses_every_id_both_ways():
+    hl, cl = torch.tensor([2]), torch.tensor([1])
+    cols = (torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    for run in (lambda: validate_ids(hl, cols, cl, torch.tensor([1]), num_items=5, num_actions=0,
+                                     num_time_buckets=4),
+                lambda: _numpy_validate(hl, cols, cl, torch.tensor([1]), 5, 0, 4)):
+        with pytest.raises(ValueError, match=r"^action id 0 is outside the table range \[0, -1\]"):
+            run()
+
+
+def key_columns(g: torch.Generator, n: int):
+    return (torch.randint(0, 2**39, (n,), generator=g), torch.randint(0, 256, (n,), generator=g),
+            torch.randint(0, 2**16, (n,), generator=g))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 4099])
+def test_the_cpp_cache_keys_equal_the_numpy_ones(n, monkeypatch):
+    from gr_plugin.modules.tokens import cache_token_keys
+
+    g = torch.Generator().manual_seed(n)
+    cols = key_columns(g, n)
+    if n:  # the fields' edges
+        cols[0][0], cols[1][0], cols[2][0] = 2**39 - 1, 255, 2**16 - 1
+    calls = counting(monkeypatch, "cache_keys")
+    for check in (True, False):
+        got = cache_token_keys(*cols, check=check)
+        assert got.dtype == torch.int64 and torch.equal(got, cache_token_keys(*cols, check=check, native=False))
+    assert len(calls) == 2
+    # unchecked, ids outside the fields wrap as numpy's shifts do (negative, past 2**39, past 2**63 / 2**24)
+    wild = (torch.tensor([-1, 2**39, 2**62, 5]), torch.tensor([-7, 256, 0, 2**60]),
+            torch.tensor([-(2**63), 2**16, 1, 0]))
+    assert torch.equal(cache_token_keys(*wild, check=False), cache_token_keys(*wild, check=False, native=False))
+
+
+KEYS_BAD = [(0, -1, "item id -1 is outside [0, 2**39)"), (0, 2**39, "item id 549755813888 is outside [0, 2**39)"),
+            (1, 256, "action id 256 is outside [0, 2**8)"), (1, -(2**63), f"action id {-(2**63)} is outside"),
+            (2, 2**16, "time bucket id 65536 is outside [0, 2**16)"), (2, -5, "time bucket id -5 is outside")]
+
+
+@pytest.mark.parametrize("case", range(len(KEYS_BAD)))
+def test_the_cpp_cache_keys_raise_the_reference_error(case):
+    from gr_plugin.modules.tokens import cache_token_keys
+
+    column, value, message = KEYS_BAD[case]
+    g = torch.Generator().manual_seed(case)
+    cols = list(key_columns(g, 37))
+    for at in (0, 18, 36):
+        bad = [c.clone() for c in cols]
+        bad[column][at] = value
+        if column == 1:  # a later column is bad too: the first bad column is named
+            bad[2][at] = -3
+        for native in (True, False):
+            with pytest.raises(ValueError, match=f"^{message}".replace("[", r"\[").replace("(", r"\(")
+                               .replace(")", r"\)").replace("*", r"\*")):
+                cache_token_keys(*bad, native=native)
+
+
+def test_the_cpp_cache_keys_refuse_columns_of_other_sizes():
+    from gr_plugin.modules.tokens import cache_token_keys
+
+    with pytest.raises(ValueError, match="time bucket column has 2 entries, the item column 3"):
+        cache_token_keys(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([0, 1]))

@@ -1,5 +1,5 @@
-// The host half of a ranking step's request in C++: torch.ops.gr_kv_core.token_layout and
-// validate_columns.
+// The host half of a ranking step's request in C++: torch.ops.gr_kv_core.token_layout, validate_columns and
+// cache_keys.
 //
 // token_layout owns one pass over a request's columns that says which query rows a step computes: per user its
 // uncached history events (the events past its cached prefix) then its candidates. The semantics are
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace gr_kv_core {
@@ -125,6 +126,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_lay
   return {token_ids, q_offsets, new_lengths, cand_rows, new_rows};
 }
 
+// Whether any of v[0, n) lies outside [lo, hi]: one unsigned compare per value and no branch, so the
+// loop vectorises (cloned for AVX-512 and AVX2, picked when the library loads); a failing column is
+// scanned again by min_max for the value to name.
+__attribute__((target_clones("avx512f", "avx2", "default"))) bool any_outside(const int64_t* v, int64_t n,
+                                                                              int64_t lo, int64_t hi) {
+  if (hi < lo) return n > 0;
+  const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
+  uint64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= (static_cast<uint64_t>(v[i]) - static_cast<uint64_t>(lo)) > span;
+  return bad != 0;
+}
+
+std::pair<int64_t, int64_t> min_max(const int64_t* v, int64_t n) {
+  int64_t lo = v[0], hi = v[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+  }
+  return {lo, hi};
+}
+
 // The length and id-range checks of a request's columns (gr_plugin.modules.tokens.validate_ids, whose
 // numpy form is the reference): every user has >= 1 history event and >= 1 candidate, each column's
 // size is its lengths' sum, and each column's ids lie in its table's range; the first failing check
@@ -159,15 +181,57 @@ void validate_columns(const at::Tensor& history_lengths, const at::Tensor& items
   for (const Column& c : columns) {
     const int64_t* v = int64_data(*c.values, c.key);
     const int64_t n = c.values->numel();
-    if (n == 0) continue;
-    int64_t lo = v[0], hi = v[0];
-    for (int64_t i = 1; i < n; ++i) {
-      lo = std::min(lo, v[i]);
-      hi = std::max(hi, v[i]);
-    }
-    TORCH_CHECK_VALUE(lo >= c.lo && hi <= c.hi, c.key, " id ", lo < c.lo ? lo : hi,
-                      " is outside the table range [", c.lo, ", ", c.hi, "]");
+    if (n == 0 || !any_outside(v, n, c.lo, c.hi)) continue;
+    const auto [lo, hi] = min_max(v, n);
+    TORCH_CHECK_VALUE(false, c.key, " id ", lo < c.lo ? lo : hi, " is outside the table range [", c.lo, ", ", c.hi,
+                      "]");
   }
+}
+
+// One identity per history event, item << 24 | action << 16 | time (gr_plugin.modules.tokens.cache_token_keys,
+// whose numpy form is the reference; the shifts wrap as numpy's do). The columns' bits are ORed as the keys are
+// packed: a column whose OR has a bit at or past its field's width has an id outside [0, 2**bits).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void pack_keys(const int64_t* items,
+                                                                            const int64_t* actions,
+                                                                            const int64_t* times, int64_t* keys,
+                                                                            int64_t n, uint64_t* bits) {
+  uint64_t a = 0, b = 0, c = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t x = static_cast<uint64_t>(items[i]), y = static_cast<uint64_t>(actions[i]),
+                   z = static_cast<uint64_t>(times[i]);
+    a |= x;
+    b |= y;
+    c |= z;
+    keys[i] = static_cast<int64_t>((x << 24) | (y << 16) | z);
+  }
+  bits[0] = a;
+  bits[1] = b;
+  bits[2] = c;
+}
+
+// check: ValueError for the first column (item, action, time bucket) with an id outside its bit field
+// (39, 8, 16 bits), naming the column's min if it is negative else its max, as the reference does.
+at::Tensor cache_keys(const at::Tensor& items, const at::Tensor& actions, const at::Tensor& times, bool check) {
+  const char* names[3] = {"item", "action", "time bucket"};
+  const at::Tensor* cols[3] = {&items, &actions, &times};
+  const int64_t* data[3];
+  const int64_t n = items.numel();
+  for (int i = 0; i < 3; ++i) {
+    data[i] = int64_data(*cols[i], names[i]);
+    TORCH_CHECK_VALUE(cols[i]->numel() == n, names[i], " column has ", cols[i]->numel(), " entries, the item column ",
+                      n);
+  }
+  at::Tensor keys = longs(n);
+  uint64_t bits[3] = {0, 0, 0};
+  if (n) pack_keys(data[0], data[1], data[2], keys.data_ptr<int64_t>(), n, bits);
+  const int widths[3] = {39, 8, 16};
+  for (int i = 0; check && i < 3; ++i) {
+    if ((bits[i] >> widths[i]) == 0) continue;
+    const auto [lo, hi] = min_max(data[i], n);
+    TORCH_CHECK_VALUE(false, names[i], " id ", lo < 0 ? lo : hi, " is outside [0, 2**", widths[i],
+                      ") and cannot be part of a cache key");
+  }
+  return keys;
 }
 
 }  // namespace
@@ -181,4 +245,5 @@ TORCH_LIBRARY_FRAGMENT(gr_kv_core, m) {
   m.def("validate_columns(Tensor history_lengths, Tensor items, Tensor actions, Tensor times, "
         "Tensor candidate_lengths, Tensor candidate_items, int num_items, int num_actions, int num_time_buckets) -> ()",
         gr_kv_core::validate_columns);
+  m.def("cache_keys(Tensor items, Tensor actions, Tensor times, bool check) -> Tensor", gr_kv_core::cache_keys);
 }
