@@ -103,15 +103,18 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
                q_quantum: int = Q_QUANTUM) -> tuple[int, int, int, int]:
     """``(users, tokens, new, max_q)`` of a step's bucket: the users plus one padding user (exactly
     below `EXACT_USERS`, else up to a power of two: the rest are empty), the query rows rounded up
-    past the real ones (at least one padding row), the new rows rounded up, and each user's query
+    (the padding user holds the padding rows, none where the real ones fill the bucket), the new rows
+    rounded up, and each user's query
     rows at most (``max_q_len``, an upper bound is fine, rounded up; at least ``token_quantum``,
     which bounds the padding user's rows), the attention's ``max_q_len``.
 
     NOTE: the attention's key splits follow the users and rows that can hold a query tile
     (`gr_plugin.ops.triton.hstu_attention._query_tiles`): with empty padding users counted (a
     power of two of users) or every row as one user's (``max_q_len`` = all rows), a bs-4 bucket took
-    1 split where 2 fill the SMs (H200: 0.084 vs 0.054 ms a layer, docs/BENCHMARKS.md)."""
-    tokens = _round_up(num_query_tokens + 1, token_quantum)
+    1 split where 2 fill the SMs (H200: 0.084 vs 0.054 ms a layer, docs/BENCHMARKS.md). Until
+    2026-12-01 a bucket always had a padding row, so a step of 384 * bs rows (the e2e stream's) took
+    256 more; without them the bs-8 stream ran 6% faster (`scripts/gpu/probe_bucket_padding.py`)."""
+    tokens = _round_up(max(num_query_tokens, 1), token_quantum)
     users = bucket_users(batch_size)
     max_q = min(tokens, max(_round_up(max_q_len, q_quantum), token_quantum))
     return users, tokens, _round_up(max(num_new_tokens, 1), new_quantum), max_q

@@ -3,10 +3,10 @@
 python3 scripts/gpu/probe_bucket_padding.py [batch_size ...] -> per batch size, the graphed cached
 engine's pipelined req/s over the e2e stream (`gr_plugin.bench.e2e`, one step in flight, median of
 rounds taking turns) for two rules of a bucket's query rows (`gr_plugin.modules.graphs.bucket_key`):
-"plus1", the rule in the tree (the real rows + 1, up to a multiple of the token quantum: a step of
-384 * bs rows takes 256 padding rows) and "exact" (the real rows up to a multiple: none), with
-each rule's attention launch as the split model picks it; plus each rule's max abs difference of
-the logits against the eager cached engine over the same stream.
+"plus1", the rule until 2026-12-01 (the real rows + 1, up to a multiple of the token quantum: a step
+of 384 * bs rows took 256 padding rows) and "exact", the rule since (the real rows up to a multiple:
+none there), with each rule's attention launch as the split model picks it; plus each rule's max abs
+difference of the logits against the eager cached engine over the same stream.
 """
 
 import statistics
@@ -22,14 +22,15 @@ from gr_plugin.modules import graphs as graphs_mod
 REAL_KEY = graphs_mod.bucket_key
 
 
-def exact_key(batch_size, num_query_tokens, num_new_tokens, max_q_len, token_quantum=graphs_mod.TOKEN_QUANTUM,
+def plus1_key(batch_size, num_query_tokens, num_new_tokens, max_q_len, token_quantum=graphs_mod.TOKEN_QUANTUM,
               new_quantum=graphs_mod.NEW_QUANTUM, q_quantum=graphs_mod.Q_QUANTUM):
-    users, _, new, max_q = REAL_KEY(batch_size, num_query_tokens, num_new_tokens, max_q_len, token_quantum,
-                                    new_quantum, q_quantum)
-    return users, graphs_mod._round_up(num_query_tokens, token_quantum), new, max_q
+    users, _, new, _ = REAL_KEY(batch_size, num_query_tokens, num_new_tokens, max_q_len, token_quantum,
+                                new_quantum, q_quantum)
+    tokens = graphs_mod._round_up(num_query_tokens + 1, token_quantum)
+    return users, tokens, new, min(tokens, max(graphs_mod._round_up(max_q_len, q_quantum), token_quantum))
 
 
-RULES = {"plus1": REAL_KEY, "exact": exact_key}
+RULES = {"plus1": plus1_key, "exact": REAL_KEY}
 
 
 def main(batch_sizes, rounds=5):

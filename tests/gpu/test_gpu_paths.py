@@ -442,6 +442,8 @@ def test_cuda_graph_buckets_give_up_the_least_recently_used_when_idle():
                                        lambda visit: 16 if visit % 2 else 40, idle_steps=0, **quanta)
     assert worst <= 1e-2, worst
     assert graphs.captures == 4 and graphs.evictions == 3 and graphs.replays == 4 and len(graphs._buckets) == 1
+    # the last visit's 2 x (16 new + 8 candidates) rows fill their bucket: no padding row, the padding user empty
+    assert next(iter(graphs._buckets))[:2] == (3, 48)
     worst, graphs, _ = _graph_vs_eager(model, lambda: KVCacheModule(cache.config, "gpu"), 4,
                                        lambda visit: 16 if visit % 2 else 40, eager_ok=True, **quanta)
     assert worst <= 1e-2, worst

@@ -24,7 +24,7 @@ def test_every_user_of_a_batch_fits_its_bucket(token_quantum, new_quantum, q_qua
             new = int(torch.randint(0, 100, (1,), generator=g))
             users, tokens, new_rows, max_q = bucket_key(bs, sum(lens), new, max(lens), token_quantum, new_quantum,
                                                         q_quantum)
-            assert users >= bs + 1 and tokens > sum(lens) and new_rows >= max(new, 1)
+            assert users >= bs + 1 and tokens >= sum(lens) and new_rows >= max(new, 1)
             assert tokens % token_quantum == 0 and new_rows % new_quantum == 0
             assert max(lens) <= max_q <= tokens and tokens - sum(lens) <= max_q
             # an upper bound on the users' rows (what a caller may pass) keys no smaller max_q
@@ -54,9 +54,11 @@ def test_engine_buckets_take_the_splits_of_their_real_users(monkeypatch):
         hist = history_bound(4096, 4 * 4096)
         blocks = tri._launch_blocks(tokens, users, 4, max_q, hist, 128, torch.bfloat16, True, cpu)  # the launch's
         got[bs] = blocks[0], tri._default_splits(tokens, users, 4, max_q, hist, blocks, 128, 2, cpu)
-    # bs 1 and 2 (20 and 36 query tiles of 128 rows x 4 heads) take 64-row tiles by the few-tile rule,
-    # bs 4 and 8 by the makespan model (the padding user's rows count as a user's: 2 splits at bs 4)
-    assert got == {1: (64, 7), 2: (64, 3), 4: (64, 2), 8: (64, 4)}
+    # bs 1 and 2 take 64-row tiles by the few-tile rule, bs 4 and 8 by the makespan model (the padding
+    # user counts as a user: 2 splits at bs 4). 384 * bs rows fill their bucket (no padding row): bs 8's
+    # 252 counted programs (63 tiles x 4 heads, the empty users counted) fit one wave of 2 x 132, so 1 split
+    # (4 with the 256 padding rows it had until 2026-12-01: 268 programs, two waves)
+    assert got == {1: (64, 7), 2: (64, 4), 4: (64, 2), 8: (64, 1)}
 
 
 def test_a_bucket_keys_on_a_power_of_two_bound_of_its_histories():
@@ -101,10 +103,10 @@ def test_buckets_key_on_the_attention_launch_their_history_bound_gives(monkeypat
     """`CachedStackGraphs._key`: the bucket shape plus the attention launch (tiles, split count) of
     the step's history bound, on an H200's sizes, head_dim 128, 4 heads, bf16, a cache of 16384
     tokens. bs 1 (a few-tile launch: 64-row tiles, 7 splits by the model) launches alike at every
-    bound, so one bucket serves histories 500 to 4096; bs 8 (16 users with the padding one, whose
-    rows count as a user's) takes other split counts at 1024, 4096 and 16384 (the makespan model),
-    so those are three buckets. The bound returned is the step's own, what the bucket's launch
-    passes as ``max_history_len``."""
+    bound, so one bucket serves histories 500 to 4096, and so does bs 8 (one wave at every bound);
+    bs 3 takes other split counts at 1024, 4096 and 16384 (the makespan model), so those are three
+    buckets. The bound returned is the step's own, what the bucket's launch passes as
+    ``max_history_len``."""
     from types import SimpleNamespace
 
     from gr_plugin.cache import KVCacheConfig
@@ -122,7 +124,10 @@ def test_buckets_key_on_the_attention_launch_their_history_bound_gives(monkeypat
     ones = {key(1, h)[0] for h in (500, 1024, 1500, 2048, 3000, 4096)}
     assert len(ones) == 1 and next(iter(ones))[4] == ((64, 64, 4, 2), 7)
     assert [key(1, h)[1] for h in (500, 1500, 3000)] == [1024, 2048, 4096]
-    eights = {h: key(8, h)[0][4] for h in (1000, 4096, 16384)}
-    assert eights == {1000: ((64, 64, 4, 2), 2), 4096: ((64, 64, 4, 2), 4), 16384: ((64, 64, 4, 2), 7)}
+    threes = {h: key(3, h)[0] for h in (1000, 4096, 16384)}
+    assert {h: k[4] for h, k in threes.items()} == {1000: ((64, 64, 4, 2), 2), 4096: ((64, 64, 4, 2), 5),
+                                                    16384: ((64, 64, 4, 2), 8)}
+    assert len(set(threes.values())) == 3
+    assert len({key(8, h)[0] for h in (1000, 4096, 16384)}) == 1
     assert key(8, 20000)[1] == 16384  # at most the capacity
     assert key(8, 4096)[0][:4] == bucket_key(8, 384 * 8, 128 * 8, 384)
