@@ -10,8 +10,8 @@ jagged attention a captured launch on Hopper takes on the Gluon kernel) and the 
 A bucket (`full_bucket_key`) is the users plus one padding user, each user's rows at most ``max_q``
 (the longest sequence rounded up in steps of an eighth of the power of two at or above it: four
 steps an octave, up to 25% more) and the rows rounded up in steps of an eighth of theirs, at most
-``max_q``: a stream of growing histories takes a few buckets an octave. The padding rows are the
-padding user's candidates with no history (each sees only itself; its rows are dropped), padding
+``max_q``: a stream of growing histories takes a few buckets an octave. The padding rows (none
+where the real rows fill the bucket) are the padding user's candidates with no history (each sees only itself; its rows are dropped), padding
 users past it are empty and padding ids are 0 (a valid row of every table). The kernels read every
 length from the device, so a replay computes the eager pass over the same rows; the bucket's launch
 (its ``max_q`` and rows) may cut the keys into other splits than the eager launch, which adds the
@@ -54,15 +54,15 @@ def full_bucket_key(batch_size: int, num_tokens: int, max_q_len: int,
                     q_quantum: int = Q_QUANTUM) -> tuple[int, int, int]:
     """``(users, tokens, max_q)`` of a full pass's bucket: the users plus one padding user
     (`bucket_users`); each user's rows at most ``max_q`` (``max_q_len`` rounded up by `_eighth`, at
-    least to ``q_quantum``: the attention's ``max_seq_len``); the rows past the real ones (at least
-    one) up to a multiple of an eighth of the power of two at or above ``num_tokens + 1`` (at least
-    ``q_quantum``) or of ``max_q``, whichever is smaller, so that the padding user's rows fit in
-    ``max_q``."""
+    least to ``q_quantum``: the attention's ``max_seq_len``); the rows up to a multiple of an eighth
+    of the power of two at or above ``num_tokens`` (at least ``q_quantum``) or of ``max_q``,
+    whichever is smaller, so that the padding user's rows fit in ``max_q`` (none where the real ones
+    fill the bucket: the padding user is then empty, as `bucket_key`'s)."""
     if batch_size < 1 or num_tokens < batch_size or max_q_len < 1:
         raise ValueError(f"a full pass needs users with rows, got {batch_size} users, {num_tokens} rows, at "
                          f"most {max_q_len} a user")
     max_q = _eighth(max_q_len, q_quantum)
-    tokens = _round_up(num_tokens + 1, min(max(q_quantum, _pow2(num_tokens + 1) // 8), max_q))
+    tokens = _round_up(num_tokens, min(max(q_quantum, _pow2(num_tokens) // 8), max_q))
     return bucket_users(batch_size), tokens, max_q
 
 

@@ -62,6 +62,14 @@ def test_one_bucket_replays_every_shape_it_covers():
     assert graphs.captures == 1 and graphs.replays == 4 and len(graphs._buckets) == 1
 
 
+def test_rows_that_fill_their_bucket_replay_with_an_empty_padding_user():
+    """3 users of 22 / 27 / 32 events and 3 / 5 / 7 candidates: 96 rows, a multiple of the bucket's
+    step (16 with ``q_quantum=1``), so the bucket holds no padding row and its padding user is empty."""
+    worst_graph, worst_eager, apart, graphs = _visits(16, 3, [22], q_quantum=1)
+    assert worst_graph <= 2 * worst_eager + 1e-3 and apart <= 2 * worst_eager + 1e-3, (worst_graph, worst_eager)
+    assert list(graphs._buckets) == [(4, 96, 40)] and graphs.replays == 1
+
+
 def test_full_graph_buckets_give_up_the_least_recently_used_when_idle():
     """Room for one bucket, two shapes in turn: with no idle time required each visit drops the other
     shape's bucket; with the default idle time the second shape's visits run eagerly (None)."""

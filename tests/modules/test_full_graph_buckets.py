@@ -13,10 +13,10 @@ from tests.modules.helpers import User, make_inputs, tiny_model
 
 @pytest.mark.parametrize("q_quantum", [128, 48, 1])
 def test_every_user_of_a_full_pass_fits_its_bucket(q_quantum):
-    """Batches of 1..10 users of 1..5000 rows each: the users plus a padding user, more rows than the
-    real ones, every real user's rows and the padding user's (the rest) within ``max_q``; the
-    padding under an eighth of the rows' power of two (or one ``q_quantum``), ``max_q`` under an
-    eighth of the longest user's power of two above it."""
+    """Batches of 1..10 users of 1..5000 rows each: the users plus a padding user, at least the real
+    rows, every real user's rows and the padding user's (the rest, none where the real ones fill
+    the bucket) within ``max_q``; the padding under an eighth of the rows' power of two (or one
+    ``q_quantum``), ``max_q`` under an eighth of the longest user's power of two above it."""
     g = torch.Generator().manual_seed(0)
     for bs in range(1, 11):
         for _ in range(30):
@@ -24,20 +24,27 @@ def test_every_user_of_a_full_pass_fits_its_bucket(q_quantum):
             n, longest = sum(lens), max(lens)
             users, tokens, max_q = full_bucket_key(bs, n, longest, q_quantum)
             assert users >= bs + 1 and (users == bs + 1 or users & (users - 1) == 0)
-            assert longest <= max_q and 0 < tokens - n <= max_q
-            pow2 = 1 << n.bit_length()  # the power of two above n (n + 1 rows at least)
-            assert tokens - n <= max(q_quantum, pow2 // 8)
+            assert longest <= max_q and 0 <= tokens - n <= max_q
+            pow2 = 1 << (n - 1).bit_length()  # the power of two at or above n
+            assert tokens - n < max(q_quantum, pow2 // 8)
             assert max_q - longest < max(q_quantum, (1 << (longest - 1).bit_length()) // 8)
 
 
 def test_a_growing_stream_takes_few_buckets():
     """The e2e suite's stream (histories 256 -> 4096 in steps of 128, 256 candidates, every user of
-    a batch alike): 30 visits of each batch size map to 22-23 buckets, under the default
-    ``max_buckets`` (32), so a warmed engine replays every step."""
-    for bs, count in ((1, 22), (2, 22), (4, 22), (8, 23)):
+    a batch alike): 30 visits of each batch size map to 14-16 buckets, under the default
+    ``max_buckets`` (32), so a warmed engine replays every step (22-23 while a bucket always had a
+    padding row: a visit whose rows are a multiple of the step then took the next step up)."""
+    for bs, count in ((1, 14), (2, 14), (4, 14), (8, 16)):
         keys = {full_bucket_key(bs, bs * (h + 256), h + 256) for h in range(256, 4097, 128)}
         assert len(keys) == count
         assert all(users == (bs + 1 if bs + 1 < EXACT_USERS else 16) for users, _, _ in keys)
+
+
+def test_rows_that_fill_a_bucket_take_no_padding():
+    assert full_bucket_key(8, 16384, 2048) == (16, 16384, 2048)  # the padding user empty
+    assert full_bucket_key(1, 384, 384) == (2, 384, 384)
+    assert full_bucket_key(8, 16385, 2049) == (16, 17920, 2560)  # one row past: the next step of each
 
 
 def test_bad_shapes_and_settings_are_refused():
