@@ -11,8 +11,9 @@ A bucket (`full_bucket_key`) is the users plus one padding user, each user's row
 (the longest sequence rounded up in steps of an eighth of the power of two at or above it: four
 steps an octave, up to 25% more) and the rows rounded up in steps of an eighth of theirs, at most
 ``max_q``: a stream of growing histories takes a few buckets an octave. The padding rows (none
-where the real rows fill the bucket) are the padding user's candidates with no history (each sees only itself; its rows are dropped), padding
-users past it are empty and padding ids are 0 (a valid row of every table). The kernels read every
+where the real rows fill the bucket) are the padding user's candidates with no history (each sees
+only itself; its rows are dropped), padding users past it are empty and padding ids are 0 (a valid
+row of every table). The kernels read every
 length from the device, so a replay computes the eager pass over the same rows; the bucket's launch
 (its ``max_q`` and rows) may cut the keys into other splits than the eager launch, which adds the
 same products in another order.
