@@ -112,8 +112,9 @@ def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_
     (`gr_plugin.ops.triton.hstu_attention._query_tiles`): with empty padding users counted (a
     power of two of users) or every row as one user's (``max_q_len`` = all rows), a bs-4 bucket took
     1 split where 2 fill the SMs (H200: 0.084 vs 0.054 ms a layer, docs/BENCHMARKS.md). Until
-    2026-12-01 a bucket always had a padding row, so a step of 384 * bs rows (the e2e stream's) took
-    256 more; without them the bs-8 stream ran 6% faster (`scripts/gpu/probe_bucket_padding.py`)."""
+    2026-12-01 a bucket always had a padding row, so a step of 384 * bs rows (the e2e stream's) at an
+    even bs took 256 more (at an odd bs 384 * bs rounds up past itself either way); without them the
+    bs-8 stream ran 6% faster (`scripts/gpu/probe_bucket_padding.py`)."""
     tokens = _round_up(max(num_query_tokens, 1), token_quantum)
     users = bucket_users(batch_size)
     max_q = min(tokens, max(_round_up(max_q_len, q_quantum), token_quantum))

@@ -252,9 +252,9 @@ def build_token_layout(
 
 
 def _native_ready(tensors) -> bool:
-    """Whether the C++ step-input ops (`validate_ids`, `host_token_layout`) can take these tensors:
-    the core is loaded in this process (the cache loads it) and each is a contiguous 1-D int64 CPU
-    tensor."""
+    """Whether the C++ step-input ops (`validate_ids`, `host_token_layout`, `cache_token_keys`) can
+    take these tensors: the core is loaded in this process (the cache loads it) and each is a
+    contiguous 1-D int64 CPU tensor."""
     # NOTE: `is_cpu` and `ndim`, not `device.type` and `dim()`: this runs on ~15 tensors per step, and
     # a device object built per tensor cost about as much as the rest of the check.
     return core_build.loaded() and all(t.dtype is torch.int64 and t.ndim == 1 and t.is_cpu and t.is_contiguous()
@@ -365,6 +365,9 @@ def cache_token_keys(items: torch.Tensor, actions: torch.Tensor, time_buckets: t
     """
     if native and _native_ready((items, actions, time_buckets)):
         return torch.ops.gr_kv_core.cache_keys(items, actions, time_buckets, check)
+    for name, t in (("action", actions), ("time bucket", time_buckets)):
+        if t.numel() != items.numel():
+            raise ValueError(f"{name} column has {t.numel()} entries, the item column {items.numel()}")
     for name, t, bits in (("item", items, _ITEM_BITS), ("action", actions, _ACTION_BITS),
                           ("time bucket", time_buckets, _TIME_BITS)):
         if check and t.numel():

@@ -4,9 +4,10 @@ python3 scripts/gpu/probe_bucket_padding.py [batch_size ...] -> per batch size, 
 engine's pipelined req/s over the e2e stream (`gr_plugin.bench.e2e`, one step in flight, median of
 rounds taking turns) for two rules of a bucket's query rows (`gr_plugin.modules.graphs.bucket_key`):
 "plus1", the rule until 2026-12-01 (the real rows + 1, up to a multiple of the token quantum: a step
-of 384 * bs rows took 256 padding rows) and "exact", the rule since (the real rows up to a multiple:
-none there), with each rule's attention launch as the split model picks it; plus each rule's max abs
-difference of the logits against the eager cached engine over the same stream.
+of 384 * bs rows at an even bs took 256 padding rows) and "exact", the rule since (the real rows up
+to a multiple: none there; at an odd bs both rules round 384 * bs up alike), with each rule's
+attention launch as the split model picks it; plus each rule's max abs difference of the logits
+against the eager cached engine over the same stream.
 """
 
 import statistics

@@ -163,12 +163,12 @@ def schedules(name, args, flops, max_q, max_kv, sms, only_split=False):
 def bucket_case(bs, users, hist, new, cands, heads, dim, page, quantum=256):
     """`case` as a CUDA graph bucket of `gr_plugin.modules.graphs` holds it: ``users`` segments, the
     ``bs`` real users', then a padding user with no history owning the query rows up to the next
-    multiple of ``quantum`` past the real ones (at least one), then empty ones; ``max_history_len``
-    the cache's capacity (here 4x). Returns the args, the bucket's rows and that capacity."""
+    multiple of ``quantum`` (`bucket_key`'s rule; none where the real ones fill it), then empty ones;
+    ``max_history_len`` the cache's capacity (here 4x). Returns the args, the bucket's rows and that capacity."""
     args, _, max_kv = case(bs, hist, new, cands, heads, dim, page)
     q, k, v, kv, idx, indptr, q_off, hl, nl = args
     nq = q.shape[0]
-    tokens = -(-(nq + 1) // quantum) * quantum
+    tokens = -(-nq // quantum) * quantum
     pad = torch.zeros(tokens - nq, heads, dim, device="cuda", dtype=q.dtype)
     q, k, v = (torch.cat([t, pad]) for t in (q, k, v))
     extra = users - bs

@@ -32,8 +32,9 @@ def test_every_user_of_a_batch_fits_its_bucket(token_quantum, new_quantum, q_qua
 
 
 def test_small_buckets_count_their_users_exactly():
-    """Below `EXACT_USERS` (the padding user included) the users are exact, so no empty padding
-    user counts as holding query rows; from there on they round up to a power of two."""
+    """Below `EXACT_USERS` (the padding user included) the users are exact, so no empty user past
+    the padding one counts as holding query rows (the padding user itself is empty where the real
+    rows fill the bucket); from there on they round up to a power of two."""
     assert [bucket_key(bs, 384 * bs, 128 * bs, 384)[0] for bs in range(1, 10)] == [2, 3, 4, 5, 6, 7, 8, 16, 16]
     assert EXACT_USERS == 8
 

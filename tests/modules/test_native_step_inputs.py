@@ -1,16 +1,26 @@
 """The C++ host half of a step's inputs (``gr_plugin/csrc/core/step_inputs.cpp``) against its numpy
 reference: the token layout (``torch.ops.gr_kv_core.token_layout`` vs `host_token_layout` with
 ``native=False``: the same tensors for random batches, the same errors for bad ones, and the numpy
-form where the C++ one cannot take the input) and the request checks (``validate_columns`` vs the
-numpy `validate_ids`: the same first error for each bad value)."""
+form where the C++ one cannot take the input), the request checks (``validate_columns`` vs the
+numpy `validate_ids`: the same first error for each bad value) and the cache keys (``cache_keys`` vs
+`cache_token_keys` with ``native=False``: the same keys, the same first error)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from gr_plugin.csrc.core import build as core_build
-from gr_plugin.modules.tokens import _numpy_validate, host_token_layout, validate_ids
+from gr_plugin.modules.tokens import (
+    _ACTION_BITS,
+    _ITEM_BITS,
+    _TIME_BITS,
+    _numpy_validate,
+    cache_token_keys,
+    host_token_layout,
+    validate_ids,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -207,6 +217,14 @@ VALIDATE_BAD = [
      "time id -4 is outside the table range [0, 31]"),
     (lambda hl, cols, cl, cand: (hl, cols, cl, cand.index_fill(0, torch.tensor([1]), 10**9)),
      "candidate item id 1000000000 is outside the table range [1, 999]"),
+    # two bad columns: the first in the reference's order (item, action, time, candidate item) is named
+    (lambda hl, cols, cl, cand: (hl, (cols[0], cols[1].index_fill(0, torch.tensor([4]), 9),
+                                      cols[2].index_fill(0, torch.tensor([2]), 99)), cl, cand),
+     "action id 9 is outside the table range [0, 4]"),
+    # one column bad both ways: its min is named
+    (lambda hl, cols, cl, cand: (hl, (*cols[:2], cols[2].index_fill(0, torch.tensor([1]), 40)
+                                      .index_fill(0, torch.tensor([6]), -2)), cl, cand),
+     "time id -2 is outside the table range [0, 31]"),
 ]
 
 
@@ -223,17 +241,17 @@ def test_the_cpp_checks_pass_a_good_request_and_raise_the_reference_error_for_ea
     assert len(calls) == 1 + len(VALIDATE_BAD)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 33, 1000])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 12, 15, 33, 1000, 4100])
 def test_the_cpp_range_check_finds_a_bad_id_at_every_position(n):
-    # the check's loop is vectorised (lanes of 2-8 values plus a scalar tail): a bad id in the first
-    # lane, the last lane and the tail each fail, with the reference's message
+    # the check's loop is vectorised (lanes of 2-8 values, then leftover loops of 4 and 1): a bad id in
+    # the first lane, the middle, and each of the last four positions fails, with the reference's message
     g = torch.Generator().manual_seed(n)
     hl, cl = torch.tensor([n]), torch.tensor([1])
     cols = (torch.randint(1, 1000, (n,), generator=g), torch.randint(0, 5, (n,), generator=g),
             torch.randint(0, 32, (n,), generator=g))
     cand = torch.tensor([3])
     assert checked(hl, cols, cl, cand) is None
-    for at in sorted({0, n // 2, n - 1}):
+    for at in sorted({0, n // 2} | {max(0, n - k) for k in range(1, 5)}):
         for bad, message in ((-(2**63), f"time id {-(2**63)} is outside"), (2**63 - 1, f"time id {2**63 - 1} is"),
                              (32, "time id 32 is outside the table range [0, 31]"), (-1, "time id -1 is outside")):
             got = checked(hl, (*cols[:2], cols[2].index_fill(0, torch.tensor([at]), bad)), cl, cand)
@@ -255,14 +273,12 @@ def key_columns(g: torch.Generator, n: int):
             torch.randint(0, 2**16, (n,), generator=g))
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 9, 4099])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 12, 15, 4099])
 def test_the_cpp_cache_keys_equal_the_numpy_ones(n, monkeypatch):
-    from gr_plugin.modules.tokens import cache_token_keys
-
     g = torch.Generator().manual_seed(n)
     cols = key_columns(g, n)
     if n:  # the fields' edges
-        cols[0][0], cols[1][0], cols[2][0] = 2**39 - 1, 255, 2**16 - 1
+        cols[0][0], cols[1][0], cols[2][0] = 2**_ITEM_BITS - 1, 2**_ACTION_BITS - 1, 2**_TIME_BITS - 1
     calls = counting(monkeypatch, "cache_keys")
     for check in (True, False):
         got = cache_token_keys(*cols, check=check)
@@ -274,31 +290,45 @@ def test_the_cpp_cache_keys_equal_the_numpy_ones(n, monkeypatch):
     assert torch.equal(cache_token_keys(*wild, check=False), cache_token_keys(*wild, check=False, native=False))
 
 
-KEYS_BAD = [(0, -1, "item id -1 is outside [0, 2**39)"), (0, 2**39, "item id 549755813888 is outside [0, 2**39)"),
-            (1, 256, "action id 256 is outside [0, 2**8)"), (1, -(2**63), f"action id {-(2**63)} is outside"),
-            (2, 2**16, "time bucket id 65536 is outside [0, 2**16)"), (2, -5, "time bucket id -5 is outside")]
+# (column, value, message); the C++ op's field widths are its own constants: these cases tie them to
+# the Python ones (`_ITEM_BITS`, ...), which `keys_fit` reads
+KEYS_BAD = [(0, -1, f"item id -1 is outside [0, 2**{_ITEM_BITS})"),
+            (0, 2**_ITEM_BITS, f"item id {2**_ITEM_BITS} is outside [0, 2**{_ITEM_BITS})"),
+            (1, 2**_ACTION_BITS, f"action id {2**_ACTION_BITS} is outside [0, 2**{_ACTION_BITS})"),
+            (1, -(2**63), f"action id {-(2**63)} is outside"),
+            (2, 2**_TIME_BITS, f"time bucket id {2**_TIME_BITS} is outside [0, 2**{_TIME_BITS})"),
+            (2, -5, "time bucket id -5 is outside")]
 
 
 @pytest.mark.parametrize("case", range(len(KEYS_BAD)))
-def test_the_cpp_cache_keys_raise_the_reference_error(case):
-    from gr_plugin.modules.tokens import cache_token_keys
-
+def test_the_cpp_cache_keys_raise_the_reference_error(case, monkeypatch):
     column, value, message = KEYS_BAD[case]
     g = torch.Generator().manual_seed(case)
     cols = list(key_columns(g, 37))
-    for at in (0, 18, 36):
+    calls = counting(monkeypatch, "cache_keys")
+    for at in (0, 18, 33, 34, 35, 36):
         bad = [c.clone() for c in cols]
         bad[column][at] = value
         if column == 1:  # a later column is bad too: the first bad column is named
             bad[2][at] = -3
         for native in (True, False):
-            with pytest.raises(ValueError, match=f"^{message}".replace("[", r"\[").replace("(", r"\(")
-                               .replace(")", r"\)").replace("*", r"\*")):
+            with pytest.raises(ValueError, match="^" + re.escape(message)):
                 cache_token_keys(*bad, native=native)
+    assert len(calls) == 6  # every native=True call went through the C++ op
 
 
-def test_the_cpp_cache_keys_refuse_columns_of_other_sizes():
-    from gr_plugin.modules.tokens import cache_token_keys
+def test_a_key_column_bad_both_ways_names_its_min_both_ways():
+    items, actions = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3])
+    times = torch.tensor([0, 2**_TIME_BITS, 5, -9])
+    for native in (True, False):
+        with pytest.raises(ValueError, match=r"^time bucket id -9 is outside"):
+            cache_token_keys(items, actions, times, native=native)
 
-    with pytest.raises(ValueError, match="time bucket column has 2 entries, the item column 3"):
-        cache_token_keys(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([0, 1]))
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cache_keys_refuse_columns_of_other_sizes_both_ways(native):
+    with pytest.raises(ValueError, match=r"^time bucket column has 2 entries, the item column 3"):
+        cache_token_keys(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), torch.tensor([0, 1]), native=native)
+    with pytest.raises(ValueError, match=r"^action column has 1 entries, the item column 0"):
+        cache_token_keys(torch.zeros(0, dtype=torch.int64), torch.tensor([-1]), torch.zeros(0, dtype=torch.int64),
+                         check=False, native=native)

@@ -1,8 +1,8 @@
 """Build and load the C++ cache policy core (``torch.classes.gr_kv_core``, ``torch.ops.gr_kv_core``).
 
 Owns the JIT build of ``kv_core.cpp`` + ``host_core.cpp`` + ``page_pool.cpp`` + ``hashing.cpp`` + ``binding.cpp`` (+ the
-request ops, ``request_ops.cpp``, and the host checks and token layout of a step, ``step_inputs.cpp``) with
-``torch.utils.cpp_extension.load`` (ninja, -O2, C++17): the build directory is cached and ninja
+request ops, ``request_ops.cpp``, and the host checks, cache keys and token layout of a step, ``step_inputs.cpp``)
+with ``torch.utils.cpp_extension.load`` (ninja, -O3, C++17): the build directory is cached and ninja
 rebuilds only when a source or a flag changes. ``python -m gr_plugin.csrc.core.build`` builds it
 (``scripts/setup.sh`` does, once per machine). Imports only torch and the standard library, so
 ``gr_plugin.cache`` may load the core through it.

@@ -19,6 +19,14 @@
 #include <utility>
 #include <vector>
 
+// The step-input loops below are cloned for AVX-512 and AVX2 where the compiler can (x86-64 GCC or
+// Clang with ifunc support: the variant is picked when the library loads); elsewhere one plain build.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__ELF__) && (!defined(__clang__) || __clang_major__ >= 14)
+#define GR_KV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GR_KV_CLONES
+#endif
+
 namespace gr_kv_core {
 namespace {
 
@@ -127,10 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_lay
 }
 
 // Whether any of v[0, n) lies outside [lo, hi]: one unsigned compare per value and no branch, so the
-// loop vectorises (cloned for AVX-512 and AVX2, picked when the library loads); a failing column is
-// scanned again by min_max for the value to name.
-__attribute__((target_clones("avx512f", "avx2", "default"))) bool any_outside(const int64_t* v, int64_t n,
-                                                                              int64_t lo, int64_t hi) {
+// loop vectorises (GR_KV_CLONES); a failing column is scanned again by min_max for the value to name.
+GR_KV_CLONES bool any_outside(const int64_t* v, int64_t n, int64_t lo, int64_t hi) {
   if (hi < lo) return n > 0;
   const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
   uint64_t bad = 0;
@@ -191,10 +197,8 @@ void validate_columns(const at::Tensor& history_lengths, const at::Tensor& items
 // One identity per history event, item << 24 | action << 16 | time (gr_plugin.modules.tokens.cache_token_keys,
 // whose numpy form is the reference; the shifts wrap as numpy's do). The columns' bits are ORed as the keys are
 // packed: a column whose OR has a bit at or past its field's width has an id outside [0, 2**bits).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void pack_keys(const int64_t* items,
-                                                                            const int64_t* actions,
-                                                                            const int64_t* times, int64_t* keys,
-                                                                            int64_t n, uint64_t* bits) {
+GR_KV_CLONES void pack_keys(const int64_t* items, const int64_t* actions, const int64_t* times, int64_t* keys,
+                           int64_t n, uint64_t* bits) {
   uint64_t a = 0, b = 0, c = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t x = static_cast<uint64_t>(items[i]), y = static_cast<uint64_t>(actions[i]),

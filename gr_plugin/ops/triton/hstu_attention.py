@@ -409,7 +409,7 @@ def _launch_blocks(nq: int, bsz: int, heads: int, max_q_len: int, max_kv_len: in
     bs 1 0.0176 ms with 64x64 tiles (4 warps, 2 stages, 11 splits) vs 0.0193 with 128x128, at bs 2
     0.0232 vs 0.0264; head_dim 256 at bs 1 0.0415 ms with 64x64 tiles (8 warps, 5 splits) vs 0.0491
     with 64x32, but at bs 2 the 64x32 tiles stay best (0.0664). bs 1 and 2 count 12 and 24 tiles
-    (bs 1 and 2 graph buckets, a padding user included: 20 and 36), bs 4 counts 48. At the edge
+    (bs 1 and 2 graph buckets, a padding user included: 20 and 32), bs 4 counts 48. At the edge
     (`small 3 4`): bs 3, 36 tiles, 0.0333 ms with 64x64 tiles vs 0.0364 with 128x128; bs 4 0.0511
     vs 0.0524, within the spread. Not measured: the split count the bs-1 bucket takes with these
     tiles (7), fp16."""
