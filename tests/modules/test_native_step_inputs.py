@@ -169,6 +169,9 @@ def test_lengths_summing_past_int64_are_refused_before_anything_is_read(native):
     check = validate_ids if native else (lambda *a, **k: _numpy_validate(*a, *k.values()))
     with pytest.raises(ValueError, match=r"history lengths sum past 2\*\*63 - 1"):
         check(huge, (empty, empty, empty), ones, ones, **TABLES)
+    # a user without candidates is named before the history's sum, as the reference orders its checks
+    with pytest.raises(ValueError, match=r"^user at batch index 0 has 0 candidates events"):
+        check(huge[:2], (empty, empty, empty), torch.tensor([0, 1]), ones[:1], **TABLES)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -256,6 +259,18 @@ def test_the_cpp_range_check_finds_a_bad_id_at_every_position(n):
                              (32, "time id 32 is outside the table range [0, 31]"), (-1, "time id -1 is outside")):
             got = checked(hl, (*cols[:2], cols[2].index_fill(0, torch.tensor([at]), bad)), cl, cand)
             assert got is not None and got.startswith(message), (at, bad, got)
+
+
+def test_negative_table_sizes_are_refused_before_anything_is_read(monkeypatch):
+    hl, cl = torch.tensor([2]), torch.tensor([1])
+    cols = (torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(core_build, "loaded", lambda: False)
+        with pytest.raises(ValueError, match=r"^num_actions must be >= 0, got -1"):
+            validate_ids(hl, cols, cl, torch.tensor([1]), num_items=5, num_actions=-1, num_time_buckets=4)
+    with pytest.raises(ValueError, match=rf"^num_time_buckets must be >= 0, got {-(2**63)}"):
+        torch.ops.gr_kv_core.validate_columns(hl, *cols, cl, torch.tensor([1]), 5, 3, -(2**63))
 
 
 def test_a_table_without_valid_ids_refuses_every_id_both_ways():

@@ -160,17 +160,21 @@ std::pair<int64_t, int64_t> min_max(const int64_t* v, int64_t n) {
 void validate_columns(const at::Tensor& history_lengths, const at::Tensor& items, const at::Tensor& actions,
                       const at::Tensor& times, const at::Tensor& candidate_lengths, const at::Tensor& candidate_items,
                       int64_t num_items, int64_t num_actions, int64_t num_time_buckets) {
-  int64_t sums[2] = {0, 0};
-  const at::Tensor* lengths[2] = {&history_lengths, &candidate_lengths};
+  const int64_t tables[3] = {num_items, num_actions, num_time_buckets};
+  const char* table_names[3] = {"num_items", "num_actions", "num_time_buckets"};
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK_VALUE(tables[i] >= 0, table_names[i], " must be >= 0, got ", tables[i]);
+  }
+  const std::vector<int64_t> l[2] = {lengths_of(history_lengths, "history_lengths"),
+                                     lengths_of(candidate_lengths, "candidate_lengths")};
   const char* what[2] = {"history", "candidates"};
-  for (int k = 0; k < 2; ++k) {
-    const std::vector<int64_t> l = lengths_of(*lengths[k], k ? "candidate_lengths" : "history_lengths");
-    for (size_t b = 0; b < l.size(); ++b) {
-      TORCH_CHECK_VALUE(l[b] > 0, "user at batch index ", b, " has ", l[b], " ", what[k],
+  for (int k = 0; k < 2; ++k) {  // (the reference's order: both positivity checks, then both sums)
+    for (size_t b = 0; b < l[k].size(); ++b) {
+      TORCH_CHECK_VALUE(l[k][b] > 0, "user at batch index ", b, " has ", l[k][b], " ", what[k],
                         " events; at least 1 is required");
     }
-    sums[k] = checked_sum(l, k ? "candidate" : "history");
   }
+  const int64_t sums[2] = {checked_sum(l[0], "history"), checked_sum(l[1], "candidate")};
   struct Column {
     const char* key;
     const at::Tensor* values;
