@@ -53,9 +53,6 @@ def validate_ids(history_lengths: torch.Tensor, history_columns: Sequence[torch.
     history's item, action and time columns (``[3, N]`` or three ``[N]``) and the candidates'
     items. Raises ValueError naming the first bad value. Where the C++ core is loaded, in one pass
     there (``torch.ops.gr_kv_core.validate_columns``; the numpy form here is its reference)."""
-    for name, size in (("num_items", num_items), ("num_actions", num_actions), ("num_time_buckets", num_time_buckets)):
-        if size < 0:
-            raise ValueError(f"{name} must be >= 0, got {size}")
     cols = tuple(history_columns)
     if len(cols) == 3 and _native_ready((history_lengths, *cols, candidate_lengths, candidate_items)):
         torch.ops.gr_kv_core.validate_columns(history_lengths, *cols, candidate_lengths, candidate_items, num_items,
@@ -67,6 +64,9 @@ def validate_ids(history_lengths: torch.Tensor, history_columns: Sequence[torch.
 
 def _numpy_validate(history_lengths, history_columns, candidate_lengths, candidate_items, num_items, num_actions,
                     num_time_buckets) -> None:
+    for name, size in (("num_items", num_items), ("num_actions", num_actions), ("num_time_buckets", num_time_buckets)):
+        if size < 0:  # (the C++ op refuses them too: its `num - 1` would overflow for INT64_MIN)
+            raise ValueError(f"{name} must be >= 0, got {size}")
     for name, lengths in (("history", history_lengths), ("candidates", candidate_lengths)):
         if lengths.numel() and _id_range(lengths)[0] <= 0:
             b = int((lengths <= 0).nonzero()[0])
