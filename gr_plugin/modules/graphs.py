@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gr_plugin.cache import BatchPlan, cudart
+from gr_plugin.csrc.core import build as core_build
 from gr_plugin.modules.hstu import HSTURanker, next_layer
 from gr_plugin.modules.kv_cache import KVCacheModule
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
@@ -96,6 +97,100 @@ def pack_layout(p: PackedInputs, layout: TokenLayout, tokens: int) -> None:
     ids[:, nq:] = 0
     p.put("q_offsets", layout.q_offsets.numpy(), tokens)
     p.put("cand_rows", layout.candidate_rows.numpy(), 0)
+
+
+# the cached bucket's packed fields, in order (`CachedStackGraphs._new_bucket`, `pack_cached_step`), and the
+# plan metadata's fields the packing reads
+_CACHED_FIELDS = ("ids", "q_offsets", "rows", "slots", "kv_indptr", "total_lengths", "new_lengths", "cand_rows",
+                  "kv_indices")
+_META_FIELDS = ("kv_indptr", "kv_indices", "new_token_batch", "new_token_positions", "total_lengths", "new_lengths")
+
+
+def _spans(spans: Sequence[int], names: Sequence[str], size: int, what: str) -> dict[str, tuple[int, int]]:
+    if len(spans) != 2 * len(names):
+        arg = "fields" if what == "dst" else "meta_fields"
+        raise ValueError(f"{arg} takes {2 * len(names)} ints, got {len(spans)}")
+    out = {}
+    for i, name in enumerate(names):
+        a, e = int(spans[2 * i]), int(spans[2 * i + 1])
+        if not 0 <= a <= e <= size:
+            raise ValueError(f"{what} field {name} [{a}, {e}) is not inside [0, {size})")
+        out[name] = (a, e)
+    return out
+
+
+def pack_cached_numpy(dst: np.ndarray, spans: Sequence[int], token_ids: np.ndarray, q_offsets: np.ndarray,
+                      new_rows: np.ndarray, candidate_rows: np.ndarray, metadata: np.ndarray,
+                      meta_spans: Sequence[int], page_size: int, scratch_slots: np.ndarray) -> int:
+    """The numpy form of ``torch.ops.gr_kv_core.pack_cached_step`` (its reference; the op's comment in
+    ``csrc/core/step_inputs.cpp`` says what goes where): the cached step's ints into ``dst`` at
+    ``spans`` (`_CACHED_FIELDS`' ``[start, end)`` pairs), the page metadata read from ``metadata`` at
+    ``meta_spans`` (`_META_FIELDS`'). Returns the copy's length. Raises the op's ValueError, before
+    anything is written, for values that do not fit their fields, a user's pages outside the batch's,
+    or a new token whose page is not one of its user's."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    f = _spans(spans, _CACHED_FIELDS, dst.size, "dst")
+    m = _spans(meta_spans, _META_FIELDS, metadata.size, "metadata")
+    room = {k: e - a for k, (a, e) in f.items()}
+    tokens, rem = divmod(room["ids"], _KEYS)
+    if rem:
+        raise ValueError(f"the ids field holds {room['ids']} ints, not {_KEYS} rows of one length")
+    nq, rem = divmod(token_ids.size, _KEYS)
+    if rem:
+        raise ValueError(f"token_ids has {token_ids.size} entries, not {_KEYS} rows of one length")
+    meta = {k: metadata[a:e] for k, (a, e) in m.items()}
+    indptr, indices, batch, pos = (meta[k] for k in _META_FIELDS[:4])
+    bsz, pages, n = indptr.size - 1, indices.size, batch.size
+    sizes = {"ids": nq, "q_offsets": q_offsets.size, "rows": new_rows.size, "slots": n, "kv_indptr": bsz + 1,
+             "total_lengths": meta["total_lengths"].size, "new_lengths": meta["new_lengths"].size,
+             "cand_rows": candidate_rows.size, "kv_indices": pages}
+    for name in _CACHED_FIELDS:
+        have = tokens if name == "ids" else room[name]
+        if sizes[name] > have:
+            raise ValueError(f"{name} has {sizes[name]} {'rows' if name == 'ids' else 'entries'} but its field "
+                             f"holds {have}")
+    if not (bsz >= 0 and sizes["total_lengths"] == bsz and sizes["new_lengths"] == bsz and pos.size == n):
+        raise ValueError(f"metadata fields disagree: kv_indptr {bsz + 1}, total_lengths {sizes['total_lengths']}, "
+                         f"new_lengths {sizes['new_lengths']}, new_token_batch {n}, new_token_positions {pos.size}")
+    if scratch_slots.size != room["slots"]:
+        raise ValueError(f"scratch_slots has {scratch_slots.size} entries for a slots field of {room['slots']}")
+    bad_user = (indptr[:-1] < 0) | (indptr[:-1] > indptr[1:]) | (indptr[1:] > pages)
+    if bad_user.any():
+        u = int(np.flatnonzero(bad_user)[0])
+        raise ValueError(f"kv_indptr[{u}:{u + 2}] = [{indptr[u]}, {indptr[u + 1]}] is not a range inside [0, {pages}]")
+    bad_row = (batch < 0) | (batch >= bsz)
+    row = np.where(bad_row, 0, batch)
+    first, count = (indptr[row], indptr[row + 1] - indptr[row]) if bsz else (batch, batch)
+    page = pos // page_size
+    bad = bad_row | (pos < 0) | (page >= count)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        if bad_row[i]:
+            raise ValueError(f"new token {i} belongs to batch row {batch[i]} of {bsz}")
+        raise ValueError(f"new token {i} at position {pos[i]} lies past user {batch[i]}'s {count[i]} pages of "
+                         f"{page_size}")
+    slots = indices[first + page] * page_size + (pos - page * page_size)
+
+    def put(name: str, values: np.ndarray, fill) -> None:
+        a, e = f[name]
+        dst[a : a + values.size] = values
+        dst[a + values.size : e] = fill
+
+    a = f["ids"][0]
+    ids = dst[a : a + _KEYS * tokens].reshape(_KEYS, tokens)
+    ids[:, :nq] = token_ids.reshape(_KEYS, nq)
+    ids[:, nq:] = 0
+    put("q_offsets", q_offsets, tokens)
+    put("cand_rows", candidate_rows, 0)
+    put("rows", new_rows, 0)
+    put("slots", slots, scratch_slots[n:])
+    put("kv_indptr", indptr, pages)
+    put("total_lengths", meta["total_lengths"], 0)
+    put("new_lengths", meta["new_lengths"], 0)
+    a = f["kv_indices"][0]
+    dst[a : a + pages] = indices  # only the batch's pages are read (kv_indptr says where they end)
+    return a + pages
 
 
 def bucket_key(batch_size: int, num_query_tokens: int, num_new_tokens: int, max_q_len: int,
@@ -188,6 +283,10 @@ class PackedInputs:
         """The current host buffer (numpy), as `begin` handed it out."""
         return self._staging_np[self._turn]
 
+    def staging(self) -> torch.Tensor:
+        """The current host buffer as a tensor (the same memory as `buffer`)."""
+        return self._staging[self._turn]
+
     def put(self, name: str, values: np.ndarray, fill) -> None:
         """Field ``name`` of the current host buffer: ``values``, then ``fill`` to its end."""
         a, e = self.fields[name]
@@ -219,7 +318,8 @@ class _Bucket:
     max_q: int  # query rows of any one user, at most (the attention's grid; the padding user's too)
     hist: int  # the attention's max_history_len: a bound (`history_bound`) whose launch the bucket keys on
     inputs: PackedInputs  # every int input of the step (kv_indices last)
-    scratch_slots: np.ndarray  # [new] where padding new rows write (a reserved page)
+    spans: list[int]  # [start, end) of each of `_CACHED_FIELDS` in ``inputs``, flat (`pack_cached_step`)
+    scratch_slots: torch.Tensor  # [new] int64 CPU: where padding new rows write (a reserved page)
     x: torch.Tensor
     ys: list[torch.Tensor]  # the residual stream: layer i reads ys[i], writes ys[i + 1]
     normed: list[torch.Tensor]  # normed[i]: layer i's input norm of ys[i] (i > 0), written by layer i - 1
@@ -379,33 +479,25 @@ class CachedStackGraphs(GraphBuckets):
 
     # ------------------------------------------------------------------ inputs
     def _load(self, b: _Bucket, layout: TokenLayout, plan: BatchPlan) -> None:
-        """Pack the step's ints into a pinned staging buffer (numpy, host) and copy it to the
-        bucket in one non-blocking copy. Every tail is reset: a bucket's previous step may have had
-        more users or tokens, and a stale slot would make a padding row overwrite a real page."""
-        meta = plan.metadata
-        n, m = meta.num_new_tokens, meta.num_batch_pages
+        """Pack the step's ints into a pinned staging buffer (host) and copy it to the bucket in one
+        non-blocking copy. Every tail is reset: a bucket's previous step may have had more users or
+        tokens, and a stale slot would make a padding row overwrite a real page. Where the C++ core is
+        loaded, in one pass there (``torch.ops.gr_kv_core.pack_cached_step``); `pack_cached_numpy` is
+        its reference."""
         p = b.inputs
-        st = p.begin()
-        f, put = p.fields, p.put
-        hb = plan.host_metadata.numpy()
-
-        def host(name: str) -> np.ndarray:
-            a, e = meta.field_offsets[name]
-            return hb[a:e]
-
-        pack_layout(p, layout, b.tokens)
-        put("rows", layout.new_rows.numpy(), 0)
-        indptr, indices = host("kv_indptr"), host("kv_indices")
-        pos, page_size = host("new_token_positions"), meta.page_size
-        page = pos // page_size
-        slots = indices[indptr[host("new_token_batch")] + page] * page_size + (pos - page * page_size)
-        put("slots", slots, b.scratch_slots[n:])
-        put("kv_indptr", indptr, m)
-        put("total_lengths", host("total_lengths"), 0)
-        put("new_lengths", host("new_lengths"), 0)
-        a = f["kv_indices"][0]
-        st[a : a + m] = indices  # only the batch's pages are read (kv_indptr says where they end)
-        p.send(a + m)
+        p.begin()
+        meta = plan.metadata
+        spans = [x for name in _META_FIELDS for x in meta.field_offsets[name]]
+        ids = layout.token_ids.reshape(-1)
+        if core_build.loaded():  # (the op checks its tensors itself: int64, 1-D, contiguous, on the host)
+            end = torch.ops.gr_kv_core.pack_cached_step(p.staging(), b.spans, ids, layout.q_offsets, layout.new_rows,
+                                                        layout.candidate_rows, plan.host_metadata, spans,
+                                                        meta.page_size, b.scratch_slots)
+        else:
+            end = pack_cached_numpy(p.buffer(), b.spans, ids.numpy(), layout.q_offsets.numpy(),
+                                    layout.new_rows.numpy(), layout.candidate_rows.numpy(),
+                                    plan.host_metadata.numpy(), spans, meta.page_size, b.scratch_slots.numpy())
+        p.send(end)
 
     def _new_bucket(self, key: tuple, hist: int, device: torch.device) -> _Bucket:
         users, tokens, new, max_q = key[:4]
@@ -413,11 +505,13 @@ class CachedStackGraphs(GraphBuckets):
         sizes = (("ids", _KEYS * tokens), ("q_offsets", users + 1), ("rows", new), ("slots", new),
                  ("kv_indptr", users + 1), ("total_lengths", users), ("new_lengths", users), ("cand_rows", tokens),
                  ("kv_indices", self.cache.config.num_pages))
+        inputs = PackedInputs(sizes, device)
         d = self.model.config.embedding_dim
         x = torch.zeros(tokens, d, dtype=self.model.output_norm.weight.dtype, device=device)
         b = _Bucket(users=users, tokens=tokens, new=new, max_q=max_q, hist=hist,
-                    inputs=PackedInputs(sizes, device),
-                    scratch_slots=self._scratch * page + np.arange(new, dtype=np.int64) % page,
+                    inputs=inputs,
+                    spans=[x for name in _CACHED_FIELDS for x in inputs.fields[name]],
+                    scratch_slots=self._scratch * page + torch.arange(new, dtype=torch.int64) % page,
                     x=x, ys=[x] + [torch.empty_like(x) for _ in self.model.layers],
                     normed=[torch.empty_like(x) for _ in self.model.layers])
         return b

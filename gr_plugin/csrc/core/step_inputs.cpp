@@ -1,5 +1,5 @@
-// The host half of a ranking step's request in C++: torch.ops.gr_kv_core.token_layout, validate_columns and
-// cache_keys.
+// The host half of a ranking step's request in C++: torch.ops.gr_kv_core.token_layout, validate_columns,
+// cache_keys and pack_cached_step (a graphed cached step's ints into its staging buffer).
 //
 // token_layout owns one pass over a request's columns that says which query rows a step computes: per user its
 // uncached history events (the events past its cached prefix) then its candidates. The semantics are
@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -242,6 +243,115 @@ at::Tensor cache_keys(const at::Tensor& items, const at::Tensor& actions, const 
   return keys;
 }
 
+// [start, end) of field `i` of a flat list of pairs, checked to lie in [0, size].
+std::pair<int64_t, int64_t> field_of(at::IntArrayRef fields, size_t i, int64_t size, const char* what,
+                                     const char* name) {
+  const int64_t a = fields[2 * i], e = fields[2 * i + 1];
+  TORCH_CHECK_VALUE(0 <= a && a <= e && e <= size, what, " field ", name, " [", a, ", ", e,
+                    ") is not inside [0, ", size, ")");
+  return {a, e};
+}
+
+// The cached graph step's int inputs packed into its bucket's host staging buffer `dst` in one pass
+// (gr_plugin.modules.graphs.CachedStackGraphs._load; its numpy form, `_pack_numpy`, is the reference).
+// `fields`: [start, end) pairs in `dst` of ids, q_offsets, rows, slots, kv_indptr, total_lengths,
+// new_lengths, cand_rows, kv_indices; `meta_fields`: [start, end) pairs in the plan's host `metadata` of
+// kv_indptr, kv_indices, new_token_batch, new_token_positions, total_lengths, new_lengths. Each field
+// takes its values, then its fill to its end: ids 0 (4 key-major rows of the bucket's rows), q_offsets the
+// bucket's rows (the padding user ends there), rows 0, slots `scratch_slots` past the real ones,
+// kv_indptr the batch's page count, the lengths and cand_rows 0; kv_indices only the batch's pages (the
+// kernels read no further). A new token's slot is its page's index times `page_size` plus its offset
+// in the page. Returns the end of what the kernels read (kv_indices' start + the batch's pages), the
+// copy's length. Values that do not fit their fields, a user's pages outside the batch's, and a new token
+// whose page is not one of its user's raise ValueError before anything is written.
+int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tensor& token_ids,
+                         const at::Tensor& q_offsets, const at::Tensor& new_rows, const at::Tensor& candidate_rows,
+                         const at::Tensor& metadata, at::IntArrayRef meta_fields, int64_t page_size,
+                         const at::Tensor& scratch_slots) {
+  enum { kIds, kQOffsets, kRows, kSlots, kIndptr, kTotal, kNew, kCandRows, kIndices, kFields };
+  enum { mIndptr, mIndices, mBatch, mPositions, mTotal, mNew, kMetaFields };
+  const char* names[kFields] = {"ids", "q_offsets", "rows", "slots", "kv_indptr", "total_lengths", "new_lengths",
+                                "cand_rows", "kv_indices"};
+  const char* meta_names[kMetaFields] = {"kv_indptr", "kv_indices", "new_token_batch", "new_token_positions",
+                                         "total_lengths", "new_lengths"};
+  TORCH_CHECK_VALUE(fields.size() == 2 * kFields, "fields takes ", 2 * kFields, " ints, got ", fields.size());
+  TORCH_CHECK_VALUE(meta_fields.size() == 2 * kMetaFields, "meta_fields takes ", 2 * kMetaFields, " ints, got ",
+                    meta_fields.size());
+  TORCH_CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+  int64_t* out = const_cast<int64_t*>(int64_data(dst, "dst"));
+  const int64_t* meta = int64_data(metadata, "metadata");
+  std::pair<int64_t, int64_t> f[kFields], mf[kMetaFields];
+  for (int i = 0; i < kFields; ++i) f[i] = field_of(fields, i, dst.numel(), "dst", names[i]);
+  for (int i = 0; i < kMetaFields; ++i) mf[i] = field_of(meta_fields, i, metadata.numel(), "metadata", meta_names[i]);
+  auto room = [&](int i) { return f[i].second - f[i].first; };
+  auto count = [&](int i) { return mf[i].second - mf[i].first; };
+  const int64_t ids_room = room(kIds);
+  TORCH_CHECK_VALUE(ids_room % kFeatures == 0, "the ids field holds ", ids_room, " ints, not ", kFeatures,
+                    " rows of one length");
+  const int64_t tokens = ids_room / kFeatures;
+  TORCH_CHECK_VALUE(token_ids.numel() % kFeatures == 0, "token_ids has ", token_ids.numel(), " entries, not ",
+                    kFeatures, " rows of one length");
+  const int64_t nq = token_ids.numel() / kFeatures, bsz = count(mIndptr) - 1, pages = count(mIndices),
+                n = count(mBatch);
+  const at::Tensor* values[kFields] = {&token_ids, &q_offsets, &new_rows, nullptr, nullptr, nullptr, nullptr,
+                                       &candidate_rows, nullptr};
+  const int64_t* data[kFields] = {};
+  int64_t sizes[kFields] = {nq,  q_offsets.numel(), new_rows.numel(), n, bsz + 1, count(mTotal), count(mNew),
+                            candidate_rows.numel(), pages};
+  const char* value_names[kFields] = {"token_ids", "q_offsets", "new_rows", "", "", "", "", "candidate_rows", ""};
+  for (int i = 0; i < kFields; ++i) {
+    if (values[i] != nullptr) data[i] = int64_data(*values[i], value_names[i]);
+    const int64_t have = i == kIds ? tokens : room(i);
+    TORCH_CHECK_VALUE(sizes[i] <= have, names[i], " has ", sizes[i], i == kIds ? " rows" : " entries",
+                      " but its field holds ", have);
+  }
+  TORCH_CHECK_VALUE(bsz >= 0 && count(mTotal) == bsz && count(mNew) == bsz && count(mPositions) == n,
+                    "metadata fields disagree: kv_indptr ", bsz + 1, ", total_lengths ", count(mTotal),
+                    ", new_lengths ", count(mNew), ", new_token_batch ", n, ", new_token_positions ",
+                    count(mPositions));
+  TORCH_CHECK_VALUE(scratch_slots.numel() == room(kSlots), "scratch_slots has ", scratch_slots.numel(),
+                    " entries for a slots field of ", room(kSlots));
+  const int64_t* scratch = int64_data(scratch_slots, "scratch_slots");
+  const int64_t* indptr = meta + mf[mIndptr].first;
+  const int64_t* indices = meta + mf[mIndices].first;
+  const int64_t* batch = meta + mf[mBatch].first;
+  const int64_t* pos = meta + mf[mPositions].first;
+  for (int64_t b = 0; b < bsz; ++b) {
+    TORCH_CHECK_VALUE(0 <= indptr[b] && indptr[b] <= indptr[b + 1] && indptr[b + 1] <= pages, "kv_indptr[", b,
+                      ":", b + 2, "] = [", indptr[b], ", ", indptr[b + 1], "] is not a range inside [0, ", pages, "]");
+  }
+  // NOTE: the slots are computed before anything is written, so a bad token leaves `dst` as it was.
+  std::vector<int64_t> slots(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = batch[i], p = pos[i];
+    TORCH_CHECK_VALUE(0 <= b && b < bsz, "new token ", i, " belongs to batch row ", b, " of ", bsz);
+    const int64_t page = p / page_size;
+    TORCH_CHECK_VALUE(p >= 0 && page < indptr[b + 1] - indptr[b], "new token ", i, " at position ", p,
+                      " lies past user ", b, "'s ", indptr[b + 1] - indptr[b], " pages of ", page_size);
+    slots[i] = indices[indptr[b] + page] * page_size + (p - page * page_size);
+  }
+  auto put = [&](int i, const int64_t* v, int64_t k, int64_t fill) {
+    int64_t* o = out + f[i].first;
+    if (k) std::memcpy(o, v, k * sizeof(int64_t));
+    std::fill(o + k, out + f[i].second, fill);
+  };
+  for (int64_t r = 0; r < kFeatures; ++r) {
+    int64_t* o = out + f[kIds].first + r * tokens;
+    if (nq) std::memcpy(o, data[kIds] + r * nq, nq * sizeof(int64_t));
+    std::fill(o + nq, o + tokens, 0);
+  }
+  put(kQOffsets, data[kQOffsets], sizes[kQOffsets], tokens);
+  put(kCandRows, data[kCandRows], sizes[kCandRows], 0);
+  put(kRows, data[kRows], sizes[kRows], 0);
+  if (n) std::memcpy(out + f[kSlots].first, slots.data(), n * sizeof(int64_t));
+  std::copy(scratch + n, scratch + room(kSlots), out + f[kSlots].first + n);
+  put(kIndptr, indptr, bsz + 1, pages);
+  put(kTotal, meta + mf[mTotal].first, bsz, 0);
+  put(kNew, meta + mf[mNew].first, bsz, 0);
+  if (pages) std::memcpy(out + f[kIndices].first, indices, pages * sizeof(int64_t));
+  return f[kIndices].first + pages;
+}
+
 }  // namespace
 }  // namespace gr_kv_core
 
@@ -254,4 +364,7 @@ TORCH_LIBRARY_FRAGMENT(gr_kv_core, m) {
         "Tensor candidate_lengths, Tensor candidate_items, int num_items, int num_actions, int num_time_buckets) -> ()",
         gr_kv_core::validate_columns);
   m.def("cache_keys(Tensor items, Tensor actions, Tensor times, bool check) -> Tensor", gr_kv_core::cache_keys);
+  m.def("pack_cached_step(Tensor(a!) dst, int[] fields, Tensor token_ids, Tensor q_offsets, Tensor new_rows, "
+        "Tensor candidate_rows, Tensor metadata, int[] meta_fields, int page_size, Tensor scratch_slots) -> int",
+        gr_kv_core::pack_cached_step);
 }
