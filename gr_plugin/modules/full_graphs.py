@@ -28,7 +28,6 @@ import torch
 
 from gr_plugin.modules.graphs import (
     _KEYS,
-    CAPTURE_ERRORS,
     Q_QUANTUM,
     GraphBuckets,
     PackedInputs,
@@ -145,23 +144,10 @@ class FullStackGraphs(GraphBuckets):
         device = self.model.output_norm.weight.device
         key = full_bucket_key(layout.candidate_lengths.numel(), layout.num_query_tokens, layout.max_q_len,
                               self.q_quantum)
-        self._steps += 1
-        if key in self._failed:
-            return None
-        with torch.cuda.device(device):
-            if key not in self._buckets:
-                if not self._admit(key):
-                    return None
-                self._buckets[key] = self._new_bucket(key, device)
-            b = self._use(key)
-            self._load(b, layout)
-            if b.graph is None:
-                try:
-                    self._capture(b)
-                except CAPTURE_ERRORS as exc:
-                    self._capture_failed(key, exc)
-                    return None
+        def replay(b: _FullBucket) -> torch.Tensor:
             g, logits = b.graph
             g.replay()
-            self.replays += 1
-            return logits[: layout.candidate_rows.numel()].clone()
+            return logits
+
+        return self._step(key, device, lambda: self._new_bucket(key, device), lambda b: self._load(b, layout),
+                          lambda b: b.graph is not None, self._capture, replay, layout.candidate_rows.numel())

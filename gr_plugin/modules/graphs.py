@@ -391,6 +391,37 @@ class GraphBuckets:
             self._pool = g.pool()
         return g, out
 
+    def _step(self, key: tuple, device: torch.device, make, load, ready, capture, replay, rows: int):
+        """The skeleton of a graphed step, shared by both engines: count the step; a key whose capture
+        failed, or with no bucket yet that `_admit` does not make (or ``make()`` gives None for),
+        returns None (the caller runs eagerly); else the bucket (``make()`` if new) is marked used,
+        ``load(b)`` packs its inputs, ``capture(b)`` runs where ``ready(b)`` says its graph is missing
+        (a capture error leaves the key eager for good), and ``replay(b)`` gives the logits, of which
+        a fresh copy of the first ``rows`` is returned."""
+        self._steps += 1
+        if key in self._failed:
+            return None
+        with torch.cuda.device(device):
+            if key not in self._buckets:
+                if not self._admit(key):
+                    return None
+                b = make()
+                if b is None:
+                    return None
+                self._buckets[key] = b
+            b = self._use(key)
+            load(b)
+            if not ready(b):
+                try:
+                    capture(b)
+                except CAPTURE_ERRORS as exc:
+                    # NOTE: a cached step's warm-up wrote this plan's own K/V (the eager step rewrites the same)
+                    self._capture_failed(key, exc)
+                    return None
+            logits = replay(b)
+            self.replays += 1
+            return logits[:rows].clone()
+
     def _capture_failed(self, key: tuple, exc: BaseException) -> None:
         logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
         del self._buckets[key]
@@ -603,41 +634,32 @@ class CachedStackGraphs(GraphBuckets):
             self._table = table
         key, hist = self._key(meta.batch_size, layout.num_query_tokens, meta.num_new_tokens, layout.max_q_len,
                               meta.max_total_len, table)
-        self._steps += 1
-        if key in self._failed:
-            return None
-        with torch.cuda.device(table.device):
-            if key not in self._buckets:
-                if not self._admit(key):
-                    return None
-                if self._scratch is None:
-                    # NOTE: one page for good, taken when the first bucket is made (so an engine
-                    # that never captures keeps every page); while every page is in use, eager.
-                    try:
-                        self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
-                    except ValueError as exc:
-                        logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
-                        return None
-                self._buckets[key] = self._new_bucket(key, hist, table.device)
-            b = self._use(key)
-            layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
-            self._load(b, layout, plan)
-            if (b.layered if layered else b.whole) is None:
+        layered = any(plan.onboard_tokens)  # pages coming up from the host tier: wait per layer
+
+        def make() -> _Bucket | None:
+            if self._scratch is None:
+                # NOTE: one page for good, taken when the first bucket is made (so an engine that
+                # never captures keeps every page); while every page is in use, eager.
                 try:
-                    self._capture(b, plan, layered)
-                except CAPTURE_ERRORS as exc:
-                    # NOTE: the warm-up wrote this plan's own K/V (the eager step rewrites the same)
-                    self._capture_failed(key, exc)
+                    self._scratch = self.cache.manager.reserve_scratch_pages(1)[0]
+                except ValueError as exc:
+                    logger.info("no page for the graphs' scratch page yet (%s): eager step", exc)
                     return None
-            if layered:
-                graphs, logits = b.layered
-                graphs[0].replay()
-                for i, g in enumerate(graphs[1:]):
-                    self.cache.manager.wait_layer(plan, i)
-                    g.replay()
-                self.layered_replays += 1
-            else:
+            return self._new_bucket(key, hist, table.device)
+
+        def replay(b: _Bucket) -> torch.Tensor:
+            if not layered:
                 g, logits = b.whole
                 g.replay()
-            self.replays += 1
-            return logits[: layout.candidate_rows.numel()].clone()
+                return logits
+            graphs, logits = b.layered
+            graphs[0].replay()
+            for i, g in enumerate(graphs[1:]):
+                self.cache.manager.wait_layer(plan, i)
+                g.replay()
+            self.layered_replays += 1
+            return logits
+
+        return self._step(key, table.device, make, lambda b: self._load(b, layout, plan),
+                          lambda b: (b.layered if layered else b.whole) is not None,
+                          lambda b: self._capture(b, plan, layered), replay, layout.candidate_rows.numel())

@@ -2,10 +2,13 @@
 tests/gpu/test_full_graphs.py): every user of a batch fits its bucket, the padding stays a bounded
 share of the rows, a growing stream takes few buckets, bad input is refused."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
 
+from gr_plugin.modules import graphs as graphs_mod
 from gr_plugin.modules.full_graphs import FullStackGraphs, full_bucket_key
 from gr_plugin.modules.graphs import EXACT_USERS
 from tests.modules.helpers import User, make_inputs, tiny_model
@@ -183,3 +186,41 @@ def test_a_full_pass_is_packed_with_its_padding_user_and_a_smaller_one_resets_th
         rows = b.inputs.view("cand_rows")
         n = lay.candidate_rows.numel()
         assert torch.equal(rows[:n], lay.candidate_rows) and not rows[n:].any()
+
+
+def test_the_shared_step_skeleton_makes_loads_captures_replays_and_stays_eager_after_a_failed_capture(monkeypatch):
+    """`GraphBuckets._step`, the skeleton both engines' ``step`` run (here with stand-in callables, the
+    CUDA device context a no-op): eager (None) until the key's ``capture_after``-th step and while
+    ``make`` gives no bucket; then load, capture once, replay, a fresh copy of the first rows; a key
+    whose capture raised stays eager without loading again."""
+    import contextlib
+
+    monkeypatch.setattr(graphs_mod.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    gb = graphs_mod.GraphBuckets(max_buckets=4, capture_after=2, idle_steps=None)
+    log, logits = [], torch.arange(6.0)
+    bucket = types.SimpleNamespace(graph=None, last_used=0)
+    made = iter([None, bucket])  # the first make finds no room (e.g. no scratch page yet)
+
+    def capture(b):
+        log.append("capture")
+        b.graph = "g"
+
+    def step(key, capture=capture):
+        return gb._step(key, None, lambda: next(made), lambda b: log.append("load"), lambda b: b.graph is not None,
+                        capture, lambda b: log.append("replay") or logits, 4)
+
+    assert step("a") is None and log == []  # first sighting: not admitted
+    assert step("a") is None and "a" not in gb._buckets  # admitted, no bucket made
+    out = step("a")
+    assert log == ["load", "capture", "replay"] and torch.equal(out, logits[:4])
+    assert out.data_ptr() != logits.data_ptr()  # a fresh tensor: the graph's output is overwritten by the next replay
+    assert step("a") is not None and log[3:] == ["load", "replay"] and gb.replays == 2 and gb._steps == 4
+
+    def broken(b):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    made = iter([types.SimpleNamespace(graph=None, last_used=0)])
+    log.clear()
+    assert step("b", broken) is None and step("b", broken) is None
+    assert log == ["load"] and "b" in gb._failed and "b" not in gb._buckets  # second step: eager, nothing loaded
+    assert gb._steps == 6 and gb.replays == 2
