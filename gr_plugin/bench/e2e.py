@@ -92,15 +92,15 @@ def _other_users(batches: list, offset: int) -> list:
 def _pipelined(engine: RankingEngine, batches: list, cuda: bool) -> tuple[float, float]:
     """``(seconds, waited)`` to score ``batches`` with one step in flight, as a throughput-bound
     server runs: step ``i + 1`` is prepared and launched on the host while the GPU runs step ``i``,
-    whose logits come back through a pinned buffer and are waited for only then. ``waited``: the
+    whose logits come back through a pinned buffer (`Fetcher`) and are waited for only then. ``waited``: the
     host's time blocked on those waits for the step before (near 0: the host is the bound). Waits
     inside a step (e.g. for a staging buffer's previous copy) count as host work."""
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    pending, waited = None, 0.0
+    pending, waited, fetch = None, 0.0, Fetcher(cuda)
     for batch in batches:
-        out, done = _fetch(engine.score(batch).logits, cuda)
+        out, done = fetch(engine.score(batch).logits)
         if pending is not None and pending[1] is not None:
             w = time.perf_counter()
             pending[1].synchronize()
@@ -113,16 +113,32 @@ def _pipelined(engine: RankingEngine, batches: list, cuda: bool) -> tuple[float,
     return time.perf_counter() - t0, waited
 
 
-def _fetch(logits: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start bringing a step's logits to the host: ``(pinned host buffer, event to wait on)``;
-    off CUDA the logits themselves and no event."""
-    if not cuda:
-        return logits, None
-    out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-    out.copy_(logits, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return out, done
+class Fetcher:
+    """Brings each step's logits to the host, as a server stages its outputs: through two pinned
+    buffers taken in turn (grown when a step has more rows), each with its event, so a step allocates
+    nothing. ``fetcher(logits)`` starts the copy: ``(host view, event to wait on)``, the view valid
+    until two calls later (its buffer is then reused; the loop has waited for its copy by then); off
+    CUDA the logits themselves and no event."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        self._turn = 0
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not self.cuda:
+            return logits, None
+        i = self._turn
+        self._turn ^= 1
+        self._events[i].synchronize()  # the copy two calls ago (already waited for by the loop)
+        buf = self._buffers[i]
+        if buf is None or buf.dtype != logits.dtype or buf.numel() < logits.numel():
+            buf = self._buffers[i] = torch.empty(logits.numel(), dtype=logits.dtype, pin_memory=True)
+        out = buf[: logits.numel()].view(logits.shape)
+        out.copy_(logits, non_blocking=True)
+        self._events[i].record()
+        return out, self._events[i]
 
 
 def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_len: int = 4096, stride: int = 128,

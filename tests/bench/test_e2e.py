@@ -44,7 +44,7 @@ def test_pipelined_counts_the_time_blocked_on_the_step_before(monkeypatch):
             time.sleep(0.005)  # the host's own work per step
             return types.SimpleNamespace(logits=torch.zeros(1))
 
-    monkeypatch.setattr(e2e, "_fetch", lambda logits, cuda: (logits, SlowEvent()))
+    monkeypatch.setattr(e2e, "Fetcher", lambda cuda: lambda logits: (logits, SlowEvent()))
     seconds, waited = e2e._pipelined(Engine(), [None] * 5, cuda=False)
     # every step's wait counts once (4 inside the loop, the last after it); the host's own work never
     assert waited >= 5 * 0.02 and seconds - waited >= 5 * 0.005
@@ -58,3 +58,31 @@ def test_pipelined_rounds_must_be_a_positive_int():
 def test_worst_diff_keeps_a_nan():
     assert e2e.worst_diff(0.0, 0.5) == 0.5 and e2e.worst_diff(0.5, 0.25) == 0.5
     assert math.isnan(e2e.worst_diff(0.0, math.nan)) and math.isnan(e2e.worst_diff(math.nan, 0.1))
+
+
+def test_fetcher_off_cuda_hands_back_the_logits():
+    logits = torch.arange(6.0).view(3, 2)
+    out, done = e2e.Fetcher(False)(logits)
+    assert out is logits and done is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu: no CUDA device here")
+def test_fetcher_brings_each_step_back_through_two_reused_buffers():
+    """`Fetcher` on the GPU: each step's logits arrive intact once its event is waited for, with the
+    step before still pending (one step in flight); the two buffers are reused, and grown for a
+    step with more rows."""
+    fetch = e2e.Fetcher(True)
+    pending, seen = None, []
+    for i, rows in enumerate([4, 4, 3, 9, 2, 9]):
+        logits = torch.full((rows, 2), float(i), device="cuda")
+        out, done = fetch(logits)
+        if pending is not None:
+            pending[1].synchronize()
+            assert torch.equal(pending[0], pending[2]), f"step {i - 1} came back wrong"
+        pending = (out, done, logits.cpu())
+        seen.append(out.untyped_storage().data_ptr())
+    pending[1].synchronize()
+    assert torch.equal(pending[0], pending[2])
+    assert seen[0] == seen[2] == seen[4] and seen[3] == seen[5]  # reused (slot 1 grown at step 3, then kept)
+    assert [b.numel() for b in fetch._buffers] == [8, 18]

@@ -156,7 +156,7 @@ def _bad_inputs(a):
         ("fields takes", [a[0], a[1][:-2], *a[2:]]),
         ("meta_fields takes", [*a[:7], a[7][:-1], *a[8:]]),
         ("dst field kv_indices", field("kv_indices", 10 ** 6)),
-        ("metadata field new_lengths", [*a[:7], a[7][:-1] + [a[6].numel() + 1], *a[8:]]),
+        ("metadata field new_lengths", [*a[:7], [*a[7][:-1], a[6].numel() + 1], *a[8:]]),
         ("the ids field holds", field("ids", -1)),
         ("token_ids has", [*a[:2], a[2][:-1], *a[3:]]),
         ("ids has", [*a[:2], torch.cat([a[2].view(4, -1)] * 40, 1).reshape(-1), *a[3:]]),
