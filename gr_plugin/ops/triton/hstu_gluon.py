@@ -50,28 +50,18 @@ def _silu(s, alpha):
 
 @gluon.jit
 def _issue(KD, VD, kv_indices, page_base, layer_pages, n0, col, rows_pp, v_rows, key_row0, bar, k_dst, v_dst,
-           PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, BLOCK_N: gl.constexpr, SUB_N: gl.constexpr):
+           PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
     """TMA loads of the key and value block at history position ``n0`` into ``k_dst`` / ``v_dst``,
-    completing on ``bar``: paged, ``BLOCK_N // SUB_N`` loads of ``SUB_N`` rows, each from its page of
-    the table (``KD`` = ``VD``, values ``v_rows`` rows after the keys; ``SUB_N`` = the page where a
-    block spans pages); else rows ``key_row0 + n0`` of the keys ``KD`` and values ``VD`` themselves."""
-    mbarrier.expect(bar, 2 * (BLOCK_N // SUB_N) * KD.block_type.nbytes)
+    completing on ``bar``: paged, one page of the table (``KD`` = ``VD``, values ``v_rows`` rows after
+    the keys); else rows ``key_row0 + n0`` of the keys ``KD`` and values ``VD`` themselves."""
     if PAGED:
-        if SUB_N == BLOCK_N:
-            page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(gl.int64) + layer_pages
-            row = (page * rows_pp + n0 % PAGE_SIZE).to(gl.int32)
-            tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst)
-            tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst)
-        else:  # a block of several pages (SUB_N = PAGE_SIZE): one load per page into its rows of the block
-            for c in gl.static_range(BLOCK_N // SUB_N):
-                page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE + c).to(gl.int64) + layer_pages
-                row = (page * rows_pp).to(gl.int32)
-                tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst.slice(c * SUB_N, SUB_N, dim=0))
-                tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst.slice(c * SUB_N, SUB_N, dim=0))
+        page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(gl.int64) + layer_pages
+        row = (page * rows_pp + n0 % PAGE_SIZE).to(gl.int32)
     else:
         row = key_row0 + n0
-        tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst)
-        tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst)
+    mbarrier.expect(bar, 2 * KD.block_type.nbytes)
+    tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst)
+    tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst)
 
 
 @gluon.jit
@@ -80,7 +70,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               SUB_N: gl.constexpr, num_warps: gl.constexpr):
+               num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -146,7 +136,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     for i in gl.static_range(STAGES):
         if i < n_full:
             _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, col, rows_pp, v_rows, key_row0,
-                   bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE, PAGED, BLOCK_N, SUB_N)
+                   bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE, PAGED)
 
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -167,17 +157,13 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                 gl.thread_barrier()  # every warpgroup is done with the stage before TMA overwrites it
                 _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, col, rows_pp,
                        v_rows, key_row0, bars.index(j % STAGES), k_bufs.index(j % STAGES), v_bufs.index(j % STAGES),
-                       PAGE_SIZE, PAGED, BLOCK_N, SUB_N)
+                       PAGE_SIZE, PAGED)
         acc = warpgroup_mma(p, v_bufs.index((n_full - 1) % STAGES), acc)
 
     # masked blocks (the causal edge, a partial last page): pointer loads with zeros past kv_hi
     if full_hi < kv_hi:
-        if SUB_N < BLOCK_N:  # (multi-page blocks: the ring's first stage, free by now, saves their shared memory)
-            km = k_bufs.index(0)
-            vm = v_bufs.index(0)
-        else:
-            km = gl.allocate_shared_memory(dt, [BLOCK_N, HEAD_DIM], kv_sl)
-            vm = gl.allocate_shared_memory(dt, [BLOCK_N, HEAD_DIM], kv_sl)
+        km = gl.allocate_shared_memory(dt, [BLOCK_N, HEAD_DIM], kv_sl)
+        vm = gl.allocate_shared_memory(dt, [BLOCK_N, HEAD_DIM], kv_sl)
         rows_s = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         qpos = gl.where(rows_s < new, hist - new + rows_s, hist - 1)
         row_ok_s = rows_s < q_len
@@ -256,9 +242,8 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
     dim = q.shape[2]
     paged = kv is not None
     layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gl.bfloat16)
-    sub_n = min(block_n, kv.shape[-3]) if paged else block_n  # rows per TMA load: a block spans pages
     if paged:
-        kd = vd = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [sub_n, dim], layout)
+        kd = vd = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim], layout)
     else:
         kd, vd = _rows(k, block_n, layout), _rows(v, block_n, layout)
     _paged_fwd[grid](
@@ -267,7 +252,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), SUB_N=sub_n, num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
@@ -282,9 +267,9 @@ def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor 
         return "Hopper only (warpgroup MMA)"
     if q.shape[2] not in (64, 128, 256):
         return f"head_dim 64, 128 or 256 only, got {q.shape[2]}"
-    if block_m != 16 * warps or (kv is not None and kv.shape[-3] % block_n and block_n % kv.shape[-3]):
+    if block_m != 16 * warps or (kv is not None and kv.shape[-3] % block_n):
         page = f"page {kv.shape[-3]}, " if kv is not None else ""
-        return f"pages a multiple or a divisor of BLOCK_N and 16 query rows a warp only: {page}blocks {blocks}"
+        return f"pages a multiple of BLOCK_N and 16 query rows a warp only: {page}blocks {blocks}"
     if kv is not None and not tma_covers(kv):
         return "a non-empty, contiguous, 16-byte aligned table of fewer than 2^31 rows only (one TMA descriptor)"
     if kv is None and not (tma_covers_rows(k) and tma_covers_rows(v)):
