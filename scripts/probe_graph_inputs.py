@@ -74,10 +74,10 @@ def main(batch_sizes, repeats=3000):
         forms = {
             "C++": lambda: torch.ops.gr_kv_core.pack_cached_step(
                 p.staging(), b.spans, ids, layout.q_offsets, layout.new_rows, layout.candidate_rows,
-                plan.host_metadata, spans(), meta.page_size, b.scratch_slots),
+                plan.host_metadata, spans(), meta.page_size, kv.num_pages, b.scratch_slots),
             "numpy": lambda: gm.pack_cached_numpy(
                 p.buffer(), b.spans, ids.numpy(), layout.q_offsets.numpy(), layout.new_rows.numpy(),
-                layout.candidate_rows.numpy(), plan.host_metadata.numpy(), spans(), meta.page_size,
+                layout.candidate_rows.numpy(), plan.host_metadata.numpy(), spans(), meta.page_size, kv.num_pages,
                 b.scratch_slots.numpy()),
             "numpy before": lambda: _before(b, layout, plan),
         }

@@ -107,9 +107,6 @@ _META_FIELDS = ("kv_indptr", "kv_indices", "new_token_batch", "new_token_positio
 
 
 def _spans(spans: Sequence[int], names: Sequence[str], size: int, what: str) -> dict[str, tuple[int, int]]:
-    if len(spans) != 2 * len(names):
-        arg = "fields" if what == "dst" else "meta_fields"
-        raise ValueError(f"{arg} takes {2 * len(names)} ints, got {len(spans)}")
     out = {}
     for i, name in enumerate(names):
         a, e = int(spans[2 * i]), int(spans[2 * i + 1])
@@ -119,17 +116,31 @@ def _spans(spans: Sequence[int], names: Sequence[str], size: int, what: str) -> 
     return out
 
 
+def _first_outside(name: str, values: np.ndarray, bound: int, what: str) -> None:
+    bad = (values < 0) | (values >= bound)
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{j}] = {values[j]} is not {what} of the table's {bound}")
+
+
 def pack_cached_numpy(dst: np.ndarray, spans: Sequence[int], token_ids: np.ndarray, q_offsets: np.ndarray,
                       new_rows: np.ndarray, candidate_rows: np.ndarray, metadata: np.ndarray,
-                      meta_spans: Sequence[int], page_size: int, scratch_slots: np.ndarray) -> int:
+                      meta_spans: Sequence[int], page_size: int, num_pages: int, scratch_slots: np.ndarray) -> int:
     """The numpy form of ``torch.ops.gr_kv_core.pack_cached_step`` (its reference; the op's comment in
     ``csrc/core/step_inputs.cpp`` says what goes where): the cached step's ints into ``dst`` at
     ``spans`` (`_CACHED_FIELDS`' ``[start, end)`` pairs), the page metadata read from ``metadata`` at
-    ``meta_spans`` (`_META_FIELDS`'). Returns the copy's length. Raises the op's ValueError, before
-    anything is written, for values that do not fit their fields, a user's pages outside the batch's,
-    or a new token whose page is not one of its user's."""
+    ``meta_spans`` (`_META_FIELDS`'), for a table of ``num_pages`` pages of ``page_size``. Returns the
+    copy's length. Raises the op's ValueError, in its order, before anything is written: more values
+    than a field holds, a scratch slot outside the table, a user's pages outside the batch's, a page
+    id outside the table, or a new token whose page is not one of its user's."""
+    for arg, got, names in (("fields", spans, _CACHED_FIELDS), ("meta_fields", meta_spans, _META_FIELDS)):
+        if len(got) != 2 * len(names):
+            raise ValueError(f"{arg} takes {2 * len(names)} ints, got {len(got)}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    table_slots = num_pages * page_size
+    if num_pages < 0 or table_slots >= 1 << 63:
+        raise ValueError(f"num_pages {num_pages} of {page_size} slots is not a table size")
     f = _spans(spans, _CACHED_FIELDS, dst.size, "dst")
     m = _spans(meta_spans, _META_FIELDS, metadata.size, "metadata")
     room = {k: e - a for k, (a, e) in f.items()}
@@ -155,10 +166,12 @@ def pack_cached_numpy(dst: np.ndarray, spans: Sequence[int], token_ids: np.ndarr
                          f"new_lengths {sizes['new_lengths']}, new_token_batch {n}, new_token_positions {pos.size}")
     if scratch_slots.size != room["slots"]:
         raise ValueError(f"scratch_slots has {scratch_slots.size} entries for a slots field of {room['slots']}")
+    _first_outside("scratch_slots", scratch_slots, table_slots, "a slot")
     bad_user = (indptr[:-1] < 0) | (indptr[:-1] > indptr[1:]) | (indptr[1:] > pages)
     if bad_user.any():
         u = int(np.flatnonzero(bad_user)[0])
         raise ValueError(f"kv_indptr[{u}:{u + 2}] = [{indptr[u]}, {indptr[u + 1]}] is not a range inside [0, {pages}]")
+    _first_outside("kv_indices", indices, num_pages, "a page")
     bad_row = (batch < 0) | (batch >= bsz)
     row = np.where(bad_row, 0, batch)
     first, count = (indptr[row], indptr[row + 1] - indptr[row]) if bsz else (batch, batch)
@@ -520,14 +533,16 @@ class CachedStackGraphs(GraphBuckets):
         meta = plan.metadata
         spans = [x for name in _META_FIELDS for x in meta.field_offsets[name]]
         ids = layout.token_ids.reshape(-1)
+        pages = self.cache.config.num_pages  # (every slot written lies in the table: `pack_cached_step`)
         if core_build.loaded():  # (the op checks its tensors itself: int64, 1-D, contiguous, on the host)
             end = torch.ops.gr_kv_core.pack_cached_step(p.staging(), b.spans, ids, layout.q_offsets, layout.new_rows,
                                                         layout.candidate_rows, plan.host_metadata, spans,
-                                                        meta.page_size, b.scratch_slots)
+                                                        meta.page_size, pages, b.scratch_slots)
         else:
             end = pack_cached_numpy(p.buffer(), b.spans, ids.numpy(), layout.q_offsets.numpy(),
                                     layout.new_rows.numpy(), layout.candidate_rows.numpy(),
-                                    plan.host_metadata.numpy(), spans, meta.page_size, b.scratch_slots.numpy())
+                                    plan.host_metadata.numpy(), spans, meta.page_size, pages,
+                                    b.scratch_slots.numpy())
         p.send(end)
 
     def _new_bucket(self, key: tuple, hist: int, device: torch.device) -> _Bucket:

@@ -4,9 +4,10 @@ python3 scripts/gpu/probe_pack_copy.py [batch_size ...]
 
 For a returning step of the e2e stream (`gr_plugin.bench.e2e`, graphed engine, warmed), p50 over
 300 calls each, timed with ``perf_counter`` (the GPU idle, every copy done before the next call):
-- ``_load``: the whole packing as the engine runs it (numpy fills, one copy: ``Tensor.copy_`` up to
-  commit dd92054, the runtime's ``cudaMemcpyAsync`` since; an event);
-- its numpy fills alone (the copy and the event left out);
+- ``_load``: the whole packing as the engine runs it (the fills: numpy up to commit b4ae06d, the core's
+  ``pack_cached_step`` since; one copy: ``Tensor.copy_`` up to commit dd92054, the runtime's
+  ``cudaMemcpyAsync`` since; an event);
+- its fills alone (the copy and the event left out);
 - the copy alone: ``Tensor.copy_`` (pinned host -> device, non-blocking) and ``cudaMemcpyAsync``
   through ctypes (`gr_plugin.cache.cudart`) of the whole packed buffer (the engine sends only the
   fields up to the batch's pages);
@@ -70,7 +71,7 @@ def main(batch_sizes) -> None:
         }
         send = p.send
         p.send = lambda end=None: None
-        rows["numpy fills alone"] = lambda: graphs._load(bucket, step.layout, step.plan)
+        rows["fills alone"] = lambda: graphs._load(bucket, step.layout, step.plan)
         times = {name: p50_us(fn) for name, fn in rows.items()}
         p.send = send
         staging = p._staging[0]

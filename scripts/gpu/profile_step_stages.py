@@ -2,7 +2,7 @@
 
 python3 scripts/gpu/profile_step_stages.py [batch_size ...] -> per batch size, the median µs per step
 of each host stage of `RankingEngine.score` (validation, cache keys, lookup, begin, token layout,
-the graph step's bucket key / input packing (its buffer wait, layout fields, copy) / replay / logits
+the graph step's bucket key / input packing (its buffer wait, copy) / replay / logits
 clone, commit) and of the e2e suite's pipelined loop (`gr_plugin.bench.e2e._pipelined`) around it,
 over the e2e stream with one step in flight. ``PROFILE_TORCH_COPY=1``: the graph inputs' copy through
 ``Tensor.copy_`` instead of the runtime's ``cudaMemcpyAsync``. Stages are timed with ``perf_counter``
@@ -71,7 +71,6 @@ def main(batch_sizes):
         timed(graphs_mod, "bucket_key", "run: bucket key")
         timed(eng.graphs, "_load", "run: pack + copy inputs")
         timed(graphs_mod.PackedInputs, "begin", "run: pack: wait for the buffer")
-        timed(graphs_mod, "pack_layout", "run: pack: layout fields")
         timed(graphs_mod.PackedInputs, "send", "run: pack: copy + event")
         timed(eng.graphs, "_key", "run: bucket key + launch")
         timed(torch.cuda.CUDAGraph, "replay", "run: replay")

@@ -221,6 +221,9 @@ def test_the_shared_step_skeleton_makes_loads_captures_replays_and_stays_eager_a
 
     made = iter([types.SimpleNamespace(graph=None, last_used=0)])
     log.clear()
-    assert step("b", broken) is None and step("b", broken) is None
-    assert log == ["load"] and "b" in gb._failed and "b" not in gb._buckets  # second step: eager, nothing loaded
-    assert gb._steps == 6 and gb.replays == 2
+    assert step("b", broken) is None  # first sighting: not admitted
+    assert step("b", broken) is None and log == ["load"]  # admitted, loaded, its capture raised
+    assert "b" in gb._failed and "b" not in gb._buckets
+    made = iter([types.SimpleNamespace(graph=None, last_used=0)])  # (a bucket would be there to make)
+    assert step("b") is None and log == ["load"]  # eager for good: not made, loaded or captured again
+    assert gb._steps == 7 and gb.replays == 2 and "b" not in gb._buckets

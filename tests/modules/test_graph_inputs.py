@@ -4,6 +4,8 @@ what the fields mean (the token layout's ids and offsets, the plan's pages, each
 the metadata derives it), the tails reset by a smaller step, the same error for each bad input with the
 buffer left as it was, and `CachedStackGraphs._load` taking the C++ form where the core is loaded."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from gr_plugin.modules import KVCacheModule
 from gr_plugin.modules import graphs as gm
 
 PAGE = 4
+NUM_PAGES = 8 * (-(-(40 + 2 * 6) // PAGE) + 1) + 8  # the fixture's cache (`e2e.stream_cache_config`, 8 users)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,7 @@ def steps():
     kv = e2e.stream_cache_config(torch.device("cpu"), 8, max_len=40, stride=6, layers=2, heads=2, head_dim=8,
                                  page_size=PAGE)
     kv.host_cache_bytes = 16 * kv.page_bytes
+    assert kv.num_pages == NUM_PAGES
     cache = KVCacheModule(kv, "native")
     eng = RankingEngine(model, cache, "cpu")
     batches = e2e.stream(3, 3, 10, 40, 6, 9)
@@ -50,7 +54,8 @@ def args(bucket, step):
     meta = plan.metadata
     spans = [x for name in gm._META_FIELDS for x in meta.field_offsets[name]]
     return [bucket.inputs.staging(), list(bucket.spans), layout.token_ids.reshape(-1), layout.q_offsets,
-            layout.new_rows, layout.candidate_rows, plan.host_metadata, spans, meta.page_size, bucket.scratch_slots]
+            layout.new_rows, layout.candidate_rows, plan.host_metadata, spans, meta.page_size, NUM_PAGES,
+            bucket.scratch_slots]
 
 
 def numpy_args(a):
@@ -126,9 +131,11 @@ def _meta_at(a, name):
     return a[7][2 * i], a[7][2 * i + 1]
 
 
-def _bad_inputs(a):
-    """(what, arguments) pairs, each one bad input for the packing."""
+def _edge_inputs(a, bucket):
+    """(error, arguments) pairs: each a bad input for the packing (``error``: how its message starts)
+    or, with ``error`` None, a valid one at the edge of a check."""
     meta = a[6]
+    f = bucket.inputs.fields
 
     def with_meta(change):
         b = list(a)
@@ -148,45 +155,89 @@ def _bad_inputs(a):
             b[6][s + i] = value
         return change
 
-    bsz = _meta_at(a, "kv_indptr")[1] - _meta_at(a, "kv_indptr")[0] - 1
+    def arg(i, value):
+        return [*a[:i], value, *a[i + 1:]]
+
+    def room(name):
+        return f[name][1] - f[name][0]
+
+    ip0, ip1 = _meta_at(a, "kv_indptr")
+    indptr = meta[ip0:ip1]
+    bsz = ip1 - ip0 - 1
     n = _meta_at(a, "new_token_batch")[1] - _meta_at(a, "new_token_batch")[0]
     pages = _meta_at(a, "kv_indices")[1] - _meta_at(a, "kv_indices")[0]
+    last = int(indptr[bsz] - indptr[bsz - 1])  # the last user's pages (the last new token is theirs)
+    slots = NUM_PAGES * PAGE
     return [
-        ("page_size", [*a[:8], 0, a[9]]),
-        ("fields takes", [a[0], a[1][:-2], *a[2:]]),
-        ("meta_fields takes", [*a[:7], a[7][:-1], *a[8:]]),
+        ("page_size must be >= 1, got 0", arg(8, 0)),
+        ("fields takes 18 ints, got 16", [a[0], a[1][:-2], *a[2:8], 0, *a[9:]]),  # (and page_size 0)
+        ("meta_fields takes 12 ints, got 11", [*a[:7], a[7][:-1], -1, *a[9:]]),  # (and page_size -1)
+        ("num_pages -1 of 4 slots is not a table size", arg(9, -1)),
+        (f"num_pages {2 ** 62} of 4 slots is not a table size", arg(9, 2 ** 62)),
         ("dst field kv_indices", field("kv_indices", 10 ** 6)),
         ("metadata field new_lengths", [*a[:7], [*a[7][:-1], a[6].numel() + 1], *a[8:]]),
         ("the ids field holds", field("ids", -1)),
-        ("token_ids has", [*a[:2], a[2][:-1], *a[3:]]),
-        ("ids has", [*a[:2], torch.cat([a[2].view(4, -1)] * 40, 1).reshape(-1), *a[3:]]),
-        ("q_offsets has", [*a[:3], torch.arange(10 ** 4), *a[4:]]),
-        ("scratch_slots has", [*a[:9], a[9][:-1]]),
-        ("kv_indptr[", with_meta(at("kv_indptr", bsz, pages + 1))),
-        ("kv_indptr[", with_meta(at("kv_indptr", 1, -1))),
+        ("token_ids has", arg(2, a[2][:-1])),
+        (f"ids has {bucket.tokens + 1} rows but its field holds {bucket.tokens}",
+         arg(2, torch.zeros(4 * (bucket.tokens + 1), dtype=torch.int64))),
+        (None, arg(2, torch.zeros(4 * bucket.tokens, dtype=torch.int64))),
+        (f"q_offsets has {room('q_offsets') + 1} entries",
+         arg(3, torch.zeros(room("q_offsets") + 1, dtype=torch.int64))),
+        (None, arg(3, torch.zeros(room("q_offsets"), dtype=torch.int64))),
+        (f"rows has {room('rows') + 1} entries", arg(4, torch.zeros(room("rows") + 1, dtype=torch.int64))),
+        (f"cand_rows has {room('cand_rows') + 1} entries",
+         arg(5, torch.zeros(room("cand_rows") + 1, dtype=torch.int64))),
+        (None, arg(5, torch.zeros(room("cand_rows"), dtype=torch.int64))),
+        ("metadata fields disagree: kv_indptr 0,", [*a[:7], [ip0, ip0, *a[7][2:]], *a[8:]]),  # bsz -1
+        (f"scratch_slots has {room('slots') + 1} entries", arg(10, torch.cat([a[10], a[10][:1]]))),
+        (f"scratch_slots[0] = {slots} is not a slot of the table's {slots}",
+         arg(10, torch.cat([torch.tensor([slots]), a[10][1:]]))),
+        (None, arg(10, torch.cat([torch.tensor([slots - 1]), a[10][1:]]))),
+        (f"kv_indptr[{bsz - 1}:{bsz + 1}] = [{int(indptr[bsz - 1])}, {pages + 1}]",
+         with_meta(at("kv_indptr", bsz, pages + 1))),
+        ("kv_indptr[0:2] = [0, -1]", with_meta(at("kv_indptr", 1, -1))),
+        (f"kv_indices[{pages - 1}] = {NUM_PAGES} is not a page of the table's {NUM_PAGES}",
+         with_meta(at("kv_indices", pages - 1, NUM_PAGES))),
+        (None, with_meta(at("kv_indices", pages - 1, NUM_PAGES - 1))),
+        ("kv_indices[0] = -1 is not a page", with_meta(at("kv_indices", 0, -1))),
         (f"new token {n - 1} belongs to batch row {bsz} of {bsz}", with_meta(at("new_token_batch", n - 1, bsz))),
         (f"new token 0 belongs to batch row -1 of {bsz}", with_meta(at("new_token_batch", 0, -1))),
-        (f"new token {n - 1} at position 1000000 lies past user {bsz - 1}'s",
-         with_meta(at("new_token_positions", n - 1, 10 ** 6))),
+        (f"new token {n - 1} at position {last * PAGE} lies past user {bsz - 1}'s {last} pages of {PAGE}",
+         with_meta(at("new_token_positions", n - 1, last * PAGE))),
+        (None, with_meta(at("new_token_positions", n - 1, last * PAGE - 1))),
         ("new token 0 at position -1 lies past user 0's", with_meta(at("new_token_positions", 0, -1))),
-        ("new_rows must be a contiguous 1-D int64 CPU tensor", [*a[:4], a[4].int(), *a[5:]]),
+        ("new_rows must be a contiguous 1-D int64 CPU tensor", arg(4, a[4].int())),
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
-def test_bad_input_raises_the_same_error_in_both_forms_and_writes_nothing(steps, case):
+EDGES = 31
+
+
+def test_every_edge_case_is_listed(steps):
     _, _, bucket, big, _ = steps
-    what, bad = _bad_inputs(args(bucket, big))[case]
-    messages = []
+    assert len(_edge_inputs(args(bucket, big), bucket)) == EDGES
+
+
+@pytest.mark.parametrize("case", range(EDGES))
+def test_each_check_refuses_past_its_edge_in_both_forms_alike_and_writes_nothing(steps, case):
+    """Each bad input raises the same first ValueError in both forms, the buffer left as it was; each
+    valid input at a check's edge is taken, both forms writing the same ints."""
+    _, _, bucket, big, _ = steps
+    what, edge = _edge_inputs(args(bucket, big), bucket)[case]
+    results = []
     for form in ("C++", "numpy"):
-        if form == "numpy" and "must be a contiguous" in what:
+        if form == "numpy" and what is not None and "must be a contiguous" in what:
             continue  # (numpy takes any integer array: only the C++ op reads raw int64 memory)
         bucket.inputs.buffer()[:] = -7
-        with pytest.raises(ValueError, match="^" + what.replace("[", r"\[")) as err:
-            pack(form, bad)
+        if what is None:
+            end = pack(form, edge)
+            results.append((end, bucket.inputs.buffer().tobytes()))
+            continue
+        with pytest.raises(ValueError, match="^" + re.escape(what)) as err:
+            pack(form, edge)
         assert (bucket.inputs.buffer() == -7).all(), f"{form} wrote before refusing ({what})"
-        messages.append(str(err.value).splitlines()[0])
-    assert len(set(messages)) == 1, messages
+        results.append(str(err.value).splitlines()[0])
+    assert len(set(results)) == 1, results
 
 
 def test_load_takes_the_op_where_the_core_is_loaded_and_numpy_elsewhere(steps, monkeypatch):

@@ -253,7 +253,7 @@ std::pair<int64_t, int64_t> field_of(at::IntArrayRef fields, size_t i, int64_t s
 }
 
 // The cached graph step's int inputs packed into its bucket's host staging buffer `dst` in one pass
-// (gr_plugin.modules.graphs.CachedStackGraphs._load; its numpy form, `_pack_numpy`, is the reference).
+// (gr_plugin.modules.graphs.CachedStackGraphs._load; its numpy form, `pack_cached_numpy`, is the reference).
 // `fields`: [start, end) pairs in `dst` of ids, q_offsets, rows, slots, kv_indptr, total_lengths,
 // new_lengths, cand_rows, kv_indices; `meta_fields`: [start, end) pairs in the plan's host `metadata` of
 // kv_indptr, kv_indices, new_token_batch, new_token_positions, total_lengths, new_lengths. Each field
@@ -262,12 +262,13 @@ std::pair<int64_t, int64_t> field_of(at::IntArrayRef fields, size_t i, int64_t s
 // kv_indptr the batch's page count, the lengths and cand_rows 0; kv_indices only the batch's pages (the
 // kernels read no further). A new token's slot is its page's index times `page_size` plus its offset
 // in the page. Returns the end of what the kernels read (kv_indices' start + the batch's pages), the
-// copy's length. Values that do not fit their fields, a user's pages outside the batch's, and a new token
-// whose page is not one of its user's raise ValueError before anything is written.
+// copy's length. More values than a field holds, a page id outside the table's `num_pages`, a scratch
+// slot outside the table, a user's pages outside the batch's, and a new token whose page is not one of its
+// user's raise ValueError before anything is written (so every slot written lies in the table).
 int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tensor& token_ids,
                          const at::Tensor& q_offsets, const at::Tensor& new_rows, const at::Tensor& candidate_rows,
                          const at::Tensor& metadata, at::IntArrayRef meta_fields, int64_t page_size,
-                         const at::Tensor& scratch_slots) {
+                         int64_t num_pages, const at::Tensor& scratch_slots) {
   enum { kIds, kQOffsets, kRows, kSlots, kIndptr, kTotal, kNew, kCandRows, kIndices, kFields };
   enum { mIndptr, mIndices, mBatch, mPositions, mTotal, mNew, kMetaFields };
   const char* names[kFields] = {"ids", "q_offsets", "rows", "slots", "kv_indptr", "total_lengths", "new_lengths",
@@ -278,6 +279,9 @@ int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tenso
   TORCH_CHECK_VALUE(meta_fields.size() == 2 * kMetaFields, "meta_fields takes ", 2 * kMetaFields, " ints, got ",
                     meta_fields.size());
   TORCH_CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
+  int64_t table_slots = 0;
+  TORCH_CHECK_VALUE(num_pages >= 0 && !__builtin_mul_overflow(num_pages, page_size, &table_slots), "num_pages ",
+                    num_pages, " of ", page_size, " slots is not a table size");
   int64_t* out = const_cast<int64_t*>(int64_data(dst, "dst"));
   const int64_t* meta = int64_data(metadata, "metadata");
   std::pair<int64_t, int64_t> f[kFields], mf[kMetaFields];
@@ -312,6 +316,10 @@ int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tenso
   TORCH_CHECK_VALUE(scratch_slots.numel() == room(kSlots), "scratch_slots has ", scratch_slots.numel(),
                     " entries for a slots field of ", room(kSlots));
   const int64_t* scratch = int64_data(scratch_slots, "scratch_slots");
+  for (int64_t j = 0; j < room(kSlots); ++j) {
+    TORCH_CHECK_VALUE(0 <= scratch[j] && scratch[j] < table_slots, "scratch_slots[", j, "] = ", scratch[j],
+                      " is not a slot of the table's ", table_slots);
+  }
   const int64_t* indptr = meta + mf[mIndptr].first;
   const int64_t* indices = meta + mf[mIndices].first;
   const int64_t* batch = meta + mf[mBatch].first;
@@ -319,6 +327,10 @@ int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tenso
   for (int64_t b = 0; b < bsz; ++b) {
     TORCH_CHECK_VALUE(0 <= indptr[b] && indptr[b] <= indptr[b + 1] && indptr[b + 1] <= pages, "kv_indptr[", b,
                       ":", b + 2, "] = [", indptr[b], ", ", indptr[b + 1], "] is not a range inside [0, ", pages, "]");
+  }
+  for (int64_t j = 0; j < pages; ++j) {
+    TORCH_CHECK_VALUE(0 <= indices[j] && indices[j] < num_pages, "kv_indices[", j, "] = ", indices[j],
+                      " is not a page of the table's ", num_pages);
   }
   // NOTE: the slots are computed before anything is written, so a bad token leaves `dst` as it was.
   std::vector<int64_t> slots(n);
@@ -365,6 +377,7 @@ TORCH_LIBRARY_FRAGMENT(gr_kv_core, m) {
         gr_kv_core::validate_columns);
   m.def("cache_keys(Tensor items, Tensor actions, Tensor times, bool check) -> Tensor", gr_kv_core::cache_keys);
   m.def("pack_cached_step(Tensor(a!) dst, int[] fields, Tensor token_ids, Tensor q_offsets, Tensor new_rows, "
-        "Tensor candidate_rows, Tensor metadata, int[] meta_fields, int page_size, Tensor scratch_slots) -> int",
+        "Tensor candidate_rows, Tensor metadata, int[] meta_fields, int page_size, int num_pages, "
+        "Tensor scratch_slots) -> int",
         gr_kv_core::pack_cached_step);
 }
