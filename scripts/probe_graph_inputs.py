@@ -10,12 +10,12 @@ whose speed drifts (a shared VM) shifts all alike. Checks first that the three w
 
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 from gr_plugin.bench import e2e
+from gr_plugin.bench.common import interleaved_us
 from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
 from gr_plugin.modules import graphs as gm
@@ -87,12 +87,7 @@ def main(batch_sizes, repeats=3000):
             end = fn()
             written.append(p.buffer()[:end].copy())
         assert all(np.array_equal(written[0], w) for w in written[1:]), "the forms packed different ints"
-        times = {name: [] for name in forms}
-        for _ in range(repeats):
-            for name, fn in forms.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t0) * 1e6)
+        times = interleaved_us(forms, repeats)
         print(f"bs {bs} ({layout.num_query_tokens} rows, {meta.num_new_tokens} new, {meta.num_batch_pages} pages): "
               + ", ".join(f"{name} {statistics.median(t):.1f} µs" for name, t in times.items()), flush=True)
         eng.discard(step)

@@ -8,10 +8,10 @@ call by call, so a host whose speed drifts (a shared VM) shifts both alike.
 
 import statistics
 import sys
-import time
 
 import torch
 
+from gr_plugin.bench.common import interleaved_us
 from gr_plugin.csrc.core import build as core_build
 from gr_plugin.modules.tokens import _numpy_validate, cache_token_keys, validate_ids
 
@@ -35,12 +35,7 @@ def main(batch_sizes, repeats=2000):
             "keys numpy": lambda: cache_token_keys(*cols, native=False),
         }
         assert torch.equal(forms["keys C++"](), forms["keys numpy"]())
-        times = {name: [] for name in forms}
-        for _ in range(repeats):
-            for name, fn in forms.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t0) * 1e6)
+        times = interleaved_us(forms, repeats)
         print(f"bs {bs} x 4096: " + ", ".join(f"{name} {statistics.median(t):.1f} µs" for name, t in times.items()),
               flush=True)
 

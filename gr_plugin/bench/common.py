@@ -51,6 +51,18 @@ def timed_us(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
     return times, out
 
 
+def interleaved_us(forms: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall µs of each call of each form, the forms taking turns call by call (so a host whose speed
+    drifts, e.g. a shared VM, shifts all of them alike): ``{name: [µs per call]}``."""
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(repeats):
+        for name, fn in forms.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
 def summarize(times: list[float]) -> dict[str, float]:
     s = sorted(times)
     return {"p50": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))], "mean": statistics.fmean(s)}

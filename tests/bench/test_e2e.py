@@ -86,3 +86,13 @@ def test_fetcher_brings_each_step_back_through_two_reused_buffers():
     assert torch.equal(pending[0], pending[2])
     assert seen[0] == seen[2] == seen[4] and seen[3] == seen[5]  # reused (slot 1 grown at step 3, then kept)
     assert [b.numel() for b in fetch._buffers] == [8, 18]
+
+
+def test_interleaved_us_times_every_form_in_turn():
+    from gr_plugin.bench.common import interleaved_us
+
+    order = []
+    forms = {"a": lambda: order.append("a"), "b": lambda: (order.append("b"), time.sleep(0.002))}
+    times = interleaved_us(forms, 3)
+    assert order == ["a", "b"] * 3  # call by call, not form by form
+    assert [len(t) for t in times.values()] == [3, 3] and min(times["b"]) >= 2000 > max(times["a"])
