@@ -95,4 +95,4 @@ def test_interleaved_us_times_every_form_in_turn():
     forms = {"a": lambda: order.append("a"), "b": lambda: (order.append("b"), time.sleep(0.002))}
     times = interleaved_us(forms, 3)
     assert order == ["a", "b"] * 3  # call by call, not form by form
-    assert [len(t) for t in times.values()] == [3, 3] and min(times["b"]) >= 2000 > max(times["a"])
+    assert [len(t) for t in times.values()] == [3, 3] and min(times["b"]) >= 2000  # µs: b sleeps 2 ms a call
