@@ -136,6 +136,7 @@ def pack_cached_numpy(dst: np.ndarray, spans: Sequence[int], token_ids: np.ndarr
     for arg, got, names in (("fields", spans, _CACHED_FIELDS), ("meta_fields", meta_spans, _META_FIELDS)):
         if len(got) != 2 * len(names):
             raise ValueError(f"{arg} takes {2 * len(names)} ints, got {len(got)}")
+    page_size, num_pages = int(page_size), int(num_pages)  # (Python ints: numpy's int64 would wrap below)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     table_slots = num_pages * page_size

@@ -168,6 +168,7 @@ def _edge_inputs(a, bucket):
     pages = _meta_at(a, "kv_indices")[1] - _meta_at(a, "kv_indices")[0]
     last = int(indptr[bsz] - indptr[bsz - 1])  # the last user's pages (the last new token is theirs)
     slots = NUM_PAGES * PAGE
+    bad_scratch = torch.cat([torch.tensor([-1]), a[10][1:]])
     return [
         ("page_size must be >= 1, got 0", arg(8, 0)),
         ("fields takes 18 ints, got 16", [a[0], a[1][:-2], *a[2:8], 0, *a[9:]]),  # (and page_size 0)
@@ -207,10 +208,19 @@ def _edge_inputs(a, bucket):
         (None, with_meta(at("new_token_positions", n - 1, last * PAGE - 1))),
         ("new token 0 at position -1 lies past user 0's", with_meta(at("new_token_positions", 0, -1))),
         ("new_rows must be a contiguous 1-D int64 CPU tensor", arg(4, a[4].int())),
+        (None, arg(9, (2 ** 63 - 1) // PAGE)),  # the largest table whose slots fit int64
+        (f"scratch_slots[0] = {int(a[10][0])} is not a slot of the table's 0", arg(9, 0)),
+        # two bad inputs at once: the first in the op's order is named
+        ("num_pages -1 of 4 slots", [*field("kv_indices", 10 ** 6)[:9], -1, a[10]]),
+        ("scratch_slots[0] = -1", [*with_meta(at("kv_indptr", 1, -1))[:10], bad_scratch]),
+        ("scratch_slots[0] = -1", [*with_meta(at("kv_indices", 0, -1))[:10], bad_scratch]),
+        ("kv_indptr[0:2] = [0, -1]", with_meta(lambda b: (at("kv_indptr", 1, -1)(b), at("kv_indices", 0, -1)(b)))),
+        ("kv_indices[0] = -1", with_meta(lambda b: (at("kv_indices", 0, -1)(b),
+                                                    at("new_token_positions", 0, -1)(b)))),
     ]
 
 
-EDGES = 31
+EDGES = 38
 
 
 def test_every_edge_case_is_listed(steps):
@@ -249,6 +259,7 @@ def test_load_takes_the_op_where_the_core_is_loaded_and_numpy_elsewhere(steps, m
         @staticmethod
         def pack_cached_step(*a):
             calls.append("C++")
+            assert a[9] == graphs.cache.config.num_pages == NUM_PAGES  # the table's pages bound every slot
             return op(*a)
 
     monkeypatch.setattr(gm.torch.ops, "gr_kv_core", Ops, raising=False)

@@ -262,9 +262,10 @@ std::pair<int64_t, int64_t> field_of(at::IntArrayRef fields, size_t i, int64_t s
 // kv_indptr the batch's page count, the lengths and cand_rows 0; kv_indices only the batch's pages (the
 // kernels read no further). A new token's slot is its page's index times `page_size` plus its offset
 // in the page. Returns the end of what the kernels read (kv_indices' start + the batch's pages), the
-// copy's length. More values than a field holds, a page id outside the table's `num_pages`, a scratch
-// slot outside the table, a user's pages outside the batch's, and a new token whose page is not one of its
-// user's raise ValueError before anything is written (so every slot written lies in the table).
+// copy's length. More values than a field holds, a scratch slot outside the table, a user's pages outside
+// the batch's, a page id outside the table's `num_pages` and a new token whose page is not one of its
+// user's raise ValueError, in that order, before anything is written (so every slot written lies in the
+// table).
 int64_t pack_cached_step(at::Tensor dst, at::IntArrayRef fields, const at::Tensor& token_ids,
                          const at::Tensor& q_offsets, const at::Tensor& new_rows, const at::Tensor& candidate_rows,
                          const at::Tensor& metadata, at::IntArrayRef meta_fields, int64_t page_size,
