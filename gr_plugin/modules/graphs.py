@@ -86,17 +86,30 @@ def graphable(model: HSTURanker, head_dim: int, device: torch.device) -> bool:
     return _use_triton(probe) and model.embeds_by_lookup
 
 
-def pack_layout(p: PackedInputs, layout: TokenLayout, tokens: int) -> None:
-    """A graph step's fields from its host ``layout`` in ``p``'s current buffer: ``ids`` (key-major,
-    padding rows 0), ``q_offsets`` (the users past the real ones end at ``tokens``: the padding user
-    holds ``[nq, tokens)``) and ``cand_rows`` (padded with row 0, dropped after the head)."""
-    nq = layout.num_query_tokens
-    a, e = p.fields["ids"]
-    ids = p.buffer()[a:e].reshape(_KEYS, tokens)
-    ids[:, :nq] = layout.token_ids.numpy().reshape(_KEYS, nq)
+def _put(dst: np.ndarray, span: tuple[int, int], values: np.ndarray, fill) -> None:
+    """Field ``[a, e)`` of ``dst``: ``values``, then ``fill`` to its end."""
+    a, e = span
+    dst[a : a + len(values)] = values
+    dst[a + len(values) : e] = fill
+
+
+def _put_layout(dst: np.ndarray, fields: dict[str, tuple[int, int]], token_ids: np.ndarray, q_offsets: np.ndarray,
+                candidate_rows: np.ndarray, nq: int, tokens: int) -> None:
+    """A graph step's layout fields in ``dst``: ``ids`` (key-major, padding rows 0), ``q_offsets`` (the
+    users past the real ones end at ``tokens``: the padding user holds ``[nq, tokens)``) and
+    ``cand_rows`` (padded with row 0, dropped after the head)."""
+    a = fields["ids"][0]
+    ids = dst[a : a + _KEYS * tokens].reshape(_KEYS, tokens)
+    ids[:, :nq] = token_ids.reshape(_KEYS, nq)
     ids[:, nq:] = 0
-    p.put("q_offsets", layout.q_offsets.numpy(), tokens)
-    p.put("cand_rows", layout.candidate_rows.numpy(), 0)
+    _put(dst, fields["q_offsets"], q_offsets, tokens)
+    _put(dst, fields["cand_rows"], candidate_rows, 0)
+
+
+def pack_layout(p: PackedInputs, layout: TokenLayout, tokens: int) -> None:
+    """A graph step's layout fields (`_put_layout`) from its host ``layout`` in ``p``'s current buffer."""
+    _put_layout(p.buffer(), p.fields, layout.token_ids.numpy(), layout.q_offsets.numpy(),
+                layout.candidate_rows.numpy(), layout.num_query_tokens, tokens)
 
 
 # the cached bucket's packed fields, in order (`CachedStackGraphs._new_bucket`, `pack_cached_step`), and the
@@ -185,23 +198,12 @@ def pack_cached_numpy(dst: np.ndarray, spans: Sequence[int], token_ids: np.ndarr
         raise ValueError(f"new token {i} at position {pos[i]} lies past user {batch[i]}'s {count[i]} pages of "
                          f"{page_size}")
     slots = indices[first + page] * page_size + (pos - page * page_size)
-
-    def put(name: str, values: np.ndarray, fill) -> None:
-        a, e = f[name]
-        dst[a : a + values.size] = values
-        dst[a + values.size : e] = fill
-
-    a = f["ids"][0]
-    ids = dst[a : a + _KEYS * tokens].reshape(_KEYS, tokens)
-    ids[:, :nq] = token_ids.reshape(_KEYS, nq)
-    ids[:, nq:] = 0
-    put("q_offsets", q_offsets, tokens)
-    put("cand_rows", candidate_rows, 0)
-    put("rows", new_rows, 0)
-    put("slots", slots, scratch_slots[n:])
-    put("kv_indptr", indptr, pages)
-    put("total_lengths", meta["total_lengths"], 0)
-    put("new_lengths", meta["new_lengths"], 0)
+    _put_layout(dst, f, token_ids, q_offsets, candidate_rows, nq, tokens)
+    _put(dst, f["rows"], new_rows, 0)
+    _put(dst, f["slots"], slots, scratch_slots[n:])
+    _put(dst, f["kv_indptr"], indptr, pages)
+    _put(dst, f["total_lengths"], meta["total_lengths"], 0)
+    _put(dst, f["new_lengths"], meta["new_lengths"], 0)
     a = f["kv_indices"][0]
     dst[a : a + pages] = indices  # only the batch's pages are read (kv_indptr says where they end)
     return a + pages
@@ -303,10 +305,7 @@ class PackedInputs:
 
     def put(self, name: str, values: np.ndarray, fill) -> None:
         """Field ``name`` of the current host buffer: ``values``, then ``fill`` to its end."""
-        a, e = self.fields[name]
-        st = self._staging_np[self._turn]
-        st[a : a + len(values)] = values
-        st[a + len(values) : e] = fill
+        _put(self._staging_np[self._turn], self.fields[name], values, fill)
 
     def send(self, end: int | None = None) -> None:
         """Copy the current host buffer's first ``end`` ints (default: all) to ``ints``, non-blocking."""
