@@ -29,7 +29,7 @@ import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack, next_layer
-from gr_plugin.ops import append_kv, paged_hstu_attention
+from gr_plugin.ops import append_kv
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,10 @@ class Block:
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
         return run, _flops(c, sum(lens), pairs)
 
-    def cached_fn(self, plan, bs: int, new: int, cands: int):
+    def cached_fn(self, plan, bs: int, new: int, cands: int, silu_pass: bool = False):
+        """The cached step as the engine runs it (`HSTULayer.attend_pages` from the projection before
+        its SiLU); ``silu_pass``: with the projection's SiLU as a pass of its own (as before the
+        consumers took it), for side-by-side measurements."""
         c = self.cfg
         meta = plan.metadata
         qlen = [new + cands] * bs
@@ -153,12 +156,10 @@ class Block:
         def run():
             y, normed = x, None
             for i, layer in enumerate(self.layers):
-                u, q, k, v = layer.project(y, normed)
-                self.cache.append_fn(table[i], k, v, slots, rows)
-                a = paged_hstu_attention(q, k, v, table[i], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
-                                         q_off, meta.new_lengths, alpha=layer.alpha, n_norm=layer.n_norm,
-                                         max_q_len=new + cands, max_history_len=meta.max_total_len,
-                                         num_history_tokens=meta.num_total_tokens, norm_gate=layer.norm_gate(u))
+                a = layer.attend_pages(layer.project(y, normed, activate=silu_pass), table[i], slots, rows,
+                                       meta.kv_indices, meta.kv_indptr, meta.total_lengths, q_off, meta.new_lengths,
+                                       max_q_len=new + cands, max_history_len=meta.max_total_len,
+                                       num_history_tokens=meta.num_total_tokens, activated=silu_pass)
                 y, normed = layer.finish_gated_and_norm(y, a, next_layer(self.layers, i))
             return y
 
@@ -180,8 +181,9 @@ class StaticStep:
     (users, pages, new tokens).
     """
 
-    def __init__(self, blk: Block, plan, bs: int, new: int, cands: int) -> None:
+    def __init__(self, blk: Block, plan, bs: int, new: int, cands: int, silu_pass: bool = False) -> None:
         self.blk = blk
+        self.silu_pass = silu_pass  # (as `Block.cached_fn`'s)
         meta = plan.metadata
         self.size, self.num_new = plan.host_metadata.numel(), meta.num_new_tokens
         self.ints = torch.zeros(self.size + self.num_new, dtype=torch.int64, device=blk.device)
@@ -224,17 +226,14 @@ class StaticStep:
             self.whole = _graph(whole)
 
     def _project(self, i: int):
-        return self.blk.layers[i].project(self.ys[i], self.normed[i] if i else None)
+        return self.blk.layers[i].project(self.ys[i], self.normed[i] if i else None, activate=self.silu_pass)
 
     def _attend(self, i: int, projected) -> None:
-        layer, table = self.blk.layers[i], self.blk.cache.kv_table
-        u, q, k, v = projected
-        self.blk.cache.append_fn(table[i], k, v, self.slots, self.rows)
-        st = self.static
-        a = paged_hstu_attention(q, k, v, table[i], st["kv_indices"], st["kv_indptr"], st["total_lengths"], self.q_off,
-                                 st["new_lengths"], alpha=layer.alpha, n_norm=layer.n_norm, max_q_len=self.max_q,
-                                 max_history_len=self.max_hist, num_history_tokens=self.num_hist,
-                                 norm_gate=layer.norm_gate(u))
+        layer, st = self.blk.layers[i], self.static
+        a = layer.attend_pages(projected, self.blk.cache.kv_table[i], self.slots, self.rows, st["kv_indices"],
+                               st["kv_indptr"], st["total_lengths"], self.q_off, st["new_lengths"],
+                               max_q_len=self.max_q, max_history_len=self.max_hist, num_history_tokens=self.num_hist,
+                               activated=self.silu_pass)
         nxt = next_layer(self.blk.layers, i)
         layer.finish_gated_and_norm(self.ys[i], a, nxt, out=self.ys[i + 1],
                                     normed_out=None if nxt is None else self.normed[i + 1])

@@ -32,7 +32,6 @@ from gr_plugin.csrc.core import build as core_build
 from gr_plugin.modules.hstu import HSTURanker, next_layer
 from gr_plugin.modules.kv_cache import KVCacheModule
 from gr_plugin.modules.tokens import EMBEDDING_KEYS, TokenLayout
-from gr_plugin.ops import paged_hstu_attention
 from gr_plugin.ops.hstu_attention import _use_triton
 
 logger = logging.getLogger(__name__)
@@ -501,19 +500,17 @@ class CachedStackGraphs(GraphBuckets):
         self._attend(b, i, self._project(b, i))
 
     def _project(self, b: _Bucket, i: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``i``'s ``u, q, k, v``: what it computes before it touches its pages."""
-        return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None)
+        """Layer ``i``'s ``u, q, k, v`` before their SiLU, which the append, the attention and the
+        norm gate take where they load them (`HSTULayer.attend_pages`): what it computes before it
+        touches its pages."""
+        return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None, activate=False)
 
     def _attend(self, b: _Bucket, i: int, projected: tuple[torch.Tensor, ...]) -> None:
         """Layer ``i`` from its projection on: append its new K/V, attend over its pages, finish."""
         layer = self.model.layers[i]
-        table = self.cache.kv_table[i]
-        u, q, k, v = projected
-        self.cache.manager.append_fn(table, k, v, b.view("slots"), b.view("rows"))
-        a = paged_hstu_attention(q, k, v, table, b.view("kv_indices"), b.view("kv_indptr"), b.view("total_lengths"),
-                                 b.view("q_offsets"), b.view("new_lengths"), alpha=layer.alpha, n_norm=layer.n_norm,
-                                 max_q_len=b.max_q, max_history_len=b.hist, num_history_tokens=0,
-                                 norm_gate=layer.norm_gate(u))
+        a = layer.attend_pages(projected, self.cache.kv_table[i], b.view("slots"), b.view("rows"), b.view("kv_indices"),
+                               b.view("kv_indptr"), b.view("total_lengths"), b.view("q_offsets"), b.view("new_lengths"),
+                               max_q_len=b.max_q, max_history_len=b.hist, num_history_tokens=0, activated=False)
         nxt = next_layer(self.model.layers, i)
         layer.finish_gated_and_norm(b.ys[i], a, nxt, out=b.ys[i + 1],
                                     normed_out=None if nxt is None else b.normed[i + 1])

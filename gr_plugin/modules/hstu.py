@@ -32,7 +32,7 @@ from gr_plugin.modules.tokens import (
     validate_ids,
     validate_values,
 )
-from gr_plugin.ops import hstu_attention_jagged
+from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention
 from gr_plugin.ops.norm import NormGate, add_layer_norm, layer_norm_mul
 
 if TYPE_CHECKING:
@@ -103,10 +103,14 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(hd, d, device=device)
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, normed: torch.Tensor | None = None,
+                activate: bool = True) -> tuple[torch.Tensor, ...]:
         """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``; ``normed`` is ``input_norm(x)``
-        when the caller has it (`finish` of the layer before computed it with its residual add)."""
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x) if normed is None else normed)).chunk(4, dim=-1)
+        when the caller has it (`finish` of the layer before computed it with its residual add).
+        ``activate=False``: the parts before their SiLU, for `attend_pages` with ``activated=False``,
+        whose kernels take the SiLU where they load them (no SiLU pass of its own)."""
+        uvqk = self.uvqk(self.input_norm(x) if normed is None else normed)
+        u, v, q, k = (F.silu(uvqk) if activate else uvqk).chunk(4, dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
         return u, q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
@@ -143,6 +147,25 @@ class HSTULayer(nn.Module):
     def _gate(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         n = self.attn_norm
         return layer_norm_mul(attn.flatten(1), n.weight, n.bias, n.eps, u)
+
+    def attend_pages(self, projected: tuple[torch.Tensor, ...], table: torch.Tensor, slots: torch.Tensor,
+                     rows: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                     total_lengths: torch.Tensor, q_offsets: torch.Tensor, new_lengths: torch.Tensor, *,
+                     max_q_len: int, max_history_len: int, num_history_tokens: int,
+                     activated: bool = True) -> torch.Tensor:
+        """The cached step's attention of this layer from `project`'s ``(u, q, k, v)``: the new
+        tokens' keys and values (rows ``rows`` of ``k``, ``v``) appended at ``slots`` of ``table``
+        (this layer's pages, `gr_plugin.ops.append_kv`), then the paged attention over ``table``
+        (`gr_plugin.ops.paged_hstu_attention`, whose arguments the rest are) with this layer's norm
+        gate: ``LayerNorm(attn) * u`` ``[Nq, H*D]`` for `finish_gated_and_norm`. ``activated=False``:
+        ``projected`` is `project`'s with ``activate=False``; the append, the attention and the norm
+        gate apply the SiLU where they load it (their ``silu`` / ``silu_inputs``)."""
+        u, q, k, v = projected
+        append_kv(table, k, v, slots, rows, silu=not activated)
+        return paged_hstu_attention(q, k, v, table, kv_indices, kv_indptr, total_lengths, q_offsets, new_lengths,
+                                    alpha=self.alpha, n_norm=self.n_norm, max_q_len=max_q_len,
+                                    max_history_len=max_history_len, num_history_tokens=num_history_tokens,
+                                    norm_gate=self.norm_gate(u), silu_inputs=not activated)
 
     def attend_jagged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The full pass's attention over ``layout`` (history then candidates per user)."""

@@ -75,13 +75,14 @@ def takes_kernel(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, u: t
 
 
 def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                   u: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-    """``LayerNorm(a; weight, bias, eps) * u`` for ``a, u [M, N]`` (last dimension contiguous).
-    ``fused`` None picks the kernel by `use_fused`; True forces the Triton kernel (tests)."""
+                   u: torch.Tensor, fused: bool | None = None, silu_u: bool = False) -> torch.Tensor:
+    """``LayerNorm(a; weight, bias, eps) * u`` for ``a, u [M, N]`` (last dimension contiguous);
+    ``* F.silu(u)`` with ``silu_u`` (``u`` a layer's pre-SiLU projection: the kernel applies it in
+    its pass). ``fused`` None picks the kernel by `use_fused`; True forces the Triton kernel (tests)."""
     _check(a, weight, bias, u)
     if takes_kernel(a, weight, bias, u, fused):
-        return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u)
-    return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * u
+        return _triton_kernels().layer_norm_mul(a, weight, bias, eps, u, silu_u)
+    return F.layer_norm(a, (a.shape[1],), weight, bias, eps) * (F.silu(u) if silu_u else u)
 
 
 def add_layer_norm(x: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,

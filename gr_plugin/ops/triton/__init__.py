@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, ...]]:
@@ -41,3 +43,13 @@ def tma_covers_rows(t: torch.Tensor) -> bool:
     return (t.dim() == 3 and t.dtype.itemsize == 2 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
             and 0 < t.shape[0] < 2 ** 31 and t.shape[1] * t.shape[2] > 0 and t.stride(0) % 8 == 0
             and t.data_ptr() % 16 == 0)
+
+
+@triton.jit
+def silu(x):
+    """``SiLU(x)`` of a loaded tensor, in fp32 and returned in fp32: ``x / (1 + exp(-x))``, the form
+    of torch's ``F.silu``, which the kernels that take a layer's pre-SiLU projection (the append's
+    and the norm gate's ``silu`` forms) apply where they load it, rounding the result to the
+    tensor's own dtype as torch's SiLU rounds its output."""
+    x = x.to(tl.float32)
+    return x / (1.0 + tl.exp(-x))

@@ -12,6 +12,9 @@ norm-gate epilogue the split attention launch calls (`hstu_attention._launch`):
   ``layer_norm_mul``, not always the same bits: the compiler may order the norm's fp32 sums over a
   row of fp32 parts differently from a row of 16-bit values (seen on the H200: at rows of 1024 a few
   outputs land one rounding step apart; rows of 512 and 256 gave equal bits, not a guarantee).
+- both gate forms take ``silu_u``: ``u`` is the layer's pre-SiLU projection, whose SiLU
+  (`gr_plugin.ops.triton.silu`, rounded to ``u``'s dtype as torch's SiLU rounds it) the pass
+  applies where it loads the row, so the cached step needs no SiLU pass of its own;
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
 All three run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.triton import silu
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -38,33 +42,43 @@ def _layer_norm_row(x, ok, W, B, c, eps, N: tl.constexpr):
 
 
 @triton.jit
-def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _gate_row(U, c, ok, SILU_U: tl.constexpr):
+    """The row of ``U`` at ``U + c`` in fp32, its SiLU (rounded to ``U``'s dtype) with ``SILU_U``."""
+    u = tl.load(U + c, mask=ok, other=0.0)
+    if SILU_U:
+        u = silu(u).to(U.dtype.element_ty)
+    return u.to(tl.float32)
+
+
+@triton.jit
+def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+            SILU_U: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
     a = tl.load(A + row * stride_a + c, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    u = _gate_row(U + row * stride_u, c, ok, SILU_U)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
 
 def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                   u: torch.Tensor) -> torch.Tensor:
-    """``LayerNorm(a; weight, bias, eps) * u`` for ``a, u [M, N]`` (rows may be strided, columns
-    contiguous); a new contiguous ``[M, N]`` tensor of ``a``'s dtype."""
+                   u: torch.Tensor, silu_u: bool = False) -> torch.Tensor:
+    """``LayerNorm(a; weight, bias, eps) * u`` (``* SiLU(u)`` with ``silu_u``) for ``a, u [M, N]``
+    (rows may be strided, columns contiguous); a new contiguous ``[M, N]`` tensor of ``a``'s dtype."""
     m, n = a.shape
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0:
         return out
     block = triton.next_power_of_2(n)
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
-                  num_warps=4 if block <= 1024 else 8)
+                  SILU_U=bool(silu_u), num_warps=4 if block <= 1024 else 8)
     return out
 
 
 @triton.jit
 def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, SILU_U: tl.constexpr):
     """One row: the parts' sum in split order (`sum_splits`), rounded to ``Out``'s dtype, its norm
     times the row of ``U``."""
     row = tl.program_id(0).to(tl.int64)
@@ -74,16 +88,18 @@ def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, st
     live = ok & (row < tl.load(q_offsets + bsz).to(tl.int64))
     acc = sum_splits(Part + row * N + c, live, splits, n_part)
     a = acc.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the attention's output is
-    u = tl.load(U + row * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+    u = _gate_row(U + row * stride_u, c, ok, SILU_U)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
 
 def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, weight: torch.Tensor,
-                       bias: torch.Tensor, eps: float, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``LayerNorm(a; weight, bias, eps) * u`` with ``a`` = the sum over splits of ``parts [S, M, ...]``
-    (fp32, contiguous, each row ``N`` = ``u``'s columns; rows at or past ``q_offsets[bsz]`` count as
-    0) rounded to ``dtype``; a new contiguous ``[M, N]`` tensor of ``dtype``."""
+                       bias: torch.Tensor, eps: float, u: torch.Tensor, dtype: torch.dtype,
+                       silu_u: bool = False) -> torch.Tensor:
+    """``LayerNorm(a; weight, bias, eps) * u`` (``* SiLU(u)`` with ``silu_u``) with ``a`` = the sum
+    over splits of ``parts [S, M, ...]`` (fp32, contiguous, each row ``N`` = ``u``'s columns; rows at
+    or past ``q_offsets[bsz]`` count as 0) rounded to ``dtype``; a new contiguous ``[M, N]`` tensor
+    of ``dtype``."""
     splits, m = parts.shape[0], parts.shape[1]
     n = u.shape[1]
     out = torch.empty((m, n), dtype=dtype, device=u.device)
@@ -91,7 +107,8 @@ def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, w
         return out
     block = triton.next_power_of_2(n)
     _sum_ln_mul[(m,)](parts, u, weight, bias, out, q_offsets, bsz, parts[0].numel(), splits, u.stride(0),
-                      out.stride(0), float(eps), N=n, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                      out.stride(0), float(eps), N=n, BLOCK=block, SILU_U=bool(silu_u),
+                      num_warps=4 if block <= 1024 else 8)
     return out
 
 
