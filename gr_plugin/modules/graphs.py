@@ -500,9 +500,8 @@ class CachedStackGraphs(GraphBuckets):
         self._attend(b, i, self._project(b, i))
 
     def _project(self, b: _Bucket, i: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``i``'s ``u, q, k, v`` before their SiLU, which the append, the attention and the
-        norm gate take where they load them (`HSTULayer.attend_pages`): what it computes before it
-        touches its pages."""
+        """Layer ``i``'s ``u, q, k, v`` before their SiLU, which the append's pass and the norm's take
+        (`HSTULayer.attend_pages`): what it computes before it touches its pages."""
         return self.model.layers[i].project(b.ys[i], b.normed[i] if i else None, activate=False)
 
     def _attend(self, b: _Bucket, i: int, projected: tuple[torch.Tensor, ...]) -> None:

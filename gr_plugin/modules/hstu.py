@@ -32,7 +32,7 @@ from gr_plugin.modules.tokens import (
     validate_ids,
     validate_values,
 )
-from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention
+from gr_plugin.ops import append_kv, hstu_attention_jagged, paged_hstu_attention, silu_append_kv
 from gr_plugin.ops.norm import NormGate, add_layer_norm, layer_norm_mul
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class HSTULayer(nn.Module):
         """``x [N, D]`` -> ``u [N, H*Dh]`` and ``q, k, v [N, H, Dh]``; ``normed`` is ``input_norm(x)``
         when the caller has it (`finish` of the layer before computed it with its residual add).
         ``activate=False``: the parts before their SiLU, for `attend_pages` with ``activated=False``,
-        whose kernels take the SiLU where they load them (no SiLU pass of its own)."""
+        which takes it in its append's pass and its norm's (no SiLU pass of its own)."""
         uvqk = self.uvqk(self.input_norm(x) if normed is None else normed)
         u, v, q, k = (F.silu(uvqk) if activate else uvqk).chunk(4, dim=-1)
         shape = (x.shape[0], self.num_heads, self.head_dim)
@@ -155,17 +155,21 @@ class HSTULayer(nn.Module):
                      activated: bool = True) -> torch.Tensor:
         """The cached step's attention of this layer from `project`'s ``(u, q, k, v)``: the new
         tokens' keys and values (rows ``rows`` of ``k``, ``v``) appended at ``slots`` of ``table``
-        (this layer's pages, `gr_plugin.ops.append_kv`), then the paged attention over ``table``
+        (this layer's pages), then the paged attention over ``table``
         (`gr_plugin.ops.paged_hstu_attention`, whose arguments the rest are) with this layer's norm
         gate: ``LayerNorm(attn) * u`` ``[Nq, H*D]`` for `finish_gated_and_norm`. ``activated=False``:
-        ``projected`` is `project`'s with ``activate=False``; the append, the attention and the norm
-        gate apply the SiLU where they load it (their ``silu`` / ``silu_inputs``)."""
+        ``projected`` is `project`'s with ``activate=False``; one pass takes the SiLU of ``q, k, v``
+        and appends (`gr_plugin.ops.silu_append_kv`), the norm's pass takes ``u``'s (``silu_gate``):
+        no SiLU pass over the whole projection and no append launch of their own."""
         u, q, k, v = projected
-        append_kv(table, k, v, slots, rows, silu=not activated)
+        if activated:
+            append_kv(table, k, v, slots, rows)
+        else:
+            q, k, v = silu_append_kv(table, q, k, v, slots, rows)
         return paged_hstu_attention(q, k, v, table, kv_indices, kv_indptr, total_lengths, q_offsets, new_lengths,
                                     alpha=self.alpha, n_norm=self.n_norm, max_q_len=max_q_len,
                                     max_history_len=max_history_len, num_history_tokens=num_history_tokens,
-                                    norm_gate=self.norm_gate(u), silu_inputs=not activated)
+                                    norm_gate=self.norm_gate(u), silu_gate=not activated)
 
     def attend_jagged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The full pass's attention over ``layout`` (history then candidates per user)."""

@@ -10,16 +10,31 @@ from gr_plugin.cache import paged_ops
 
 
 def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              rows: torch.Tensor | None = None, *, silu: bool = False) -> None:
-    """`paged_ops.append_kv`; with ``silu``, ``k``/``v`` are the layer's pre-SiLU projection and the
-    pages get ``F.silu(k)``, ``F.silu(v)`` (fused into the kernel's pass where it serves)."""
+              rows: torch.Tensor | None = None) -> None:
     if kv_layer.is_cuda:
         try:
             from gr_plugin.ops.triton.append_kv import append_kv as tri
         except ImportError:
             tri = None
         if tri is not None:
-            return tri(kv_layer, k, v, slots, rows, silu=silu)
-    if silu:
-        k, v = F.silu(k), F.silu(v)
+            return tri(kv_layer, k, v, slots, rows)
     return paged_ops.append_kv(kv_layer, k, v, slots, rows)
+
+
+def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                   rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cached step's activation and append in one pass, from the layer's projection before its
+    SiLU (`HSTULayer.project` with ``activate=False``): returns ``F.silu`` of ``q, k, v`` and writes
+    the new tokens' (rows ``rows``) ``F.silu(k), F.silu(v)`` at ``slots``, as `append_kv` of the
+    activated ``k, v`` would. The Triton kernel for CUDA tables (one launch, its SiLU rounded as
+    torch's), else the torch ops."""
+    if kv_layer.is_cuda:
+        try:
+            from gr_plugin.ops.triton.append_kv import silu_append_kv as tri
+        except ImportError:
+            tri = None
+        if tri is not None:
+            return tri(kv_layer, q, k, v, slots, rows)
+    q, k, v = F.silu(q), F.silu(k), F.silu(v)
+    paged_ops.append_kv(kv_layer, k, v, slots, rows)
+    return q, k, v

@@ -13,7 +13,6 @@ import functools
 import os
 
 import torch
-import torch.nn.functional as F
 
 from gr_plugin.ops import norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
@@ -61,31 +60,23 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, history_lengths: torch.Tensor,
                          q_offsets: torch.Tensor, new_lengths: torch.Tensor, *, alpha: float, n_norm: float,
                          max_q_len: int, max_history_len: int, num_history_tokens: int,
-                         norm_gate: norm.NormGate | None = None, silu_inputs: bool = False) -> torch.Tensor:
+                         norm_gate: norm.NormGate | None = None, silu_gate: bool = False) -> torch.Tensor:
     """Cached-step HSTU attention over paged history K/V ``[Nq, H, D]``; see the reference for the
     semantics. With ``norm_gate`` it returns ``norm.layer_norm_mul(out.flatten(1), *norm_gate)``
     ``[Nq, H*D]`` (to one rounding step, `triton.layer_norm.sum_layer_norm_mul`). Where the Triton
     kernel and the fused norm both serve, a launch split over the keys adds its fp32 parts inside
     the norm's pass instead of writing the output and reading it back (one kernel fewer).
-    ``silu_inputs``: ``q``, ``k``, ``v`` and the norm gate's ``u`` are the layer's pre-SiLU
-    projection (`HSTULayer.project` with ``activate=False``; the pages hold activated K/V, as
-    ``gr_plugin.ops.append_kv(..., silu=True)`` writes them): the op takes ``F.silu`` of each, the
-    Gluon kernel and the norm's pass where they load them, instead of a SiLU pass of their own."""
+    ``silu_gate``: the gate's ``u`` is the layer's projection before its SiLU (`HSTULayer.project`
+    with ``activate=False``), gated by ``F.silu(u)``: the norm's pass takes it as it loads ``u``."""
     triton_attention = _use_triton(q, k, v, kv_layer)
-    if silu_inputs and not triton_attention:
-        q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        norm_gate = None if norm_gate is None else norm_gate._replace(u=F.silu(norm_gate.u))
-        silu_inputs = False
     impl = _triton_ops() if triton_attention else _ref
     args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)
     sizes = dict(alpha=alpha, n_norm=n_norm, max_q_len=max_q_len, max_history_len=max_history_len,
                  num_history_tokens=num_history_tokens)
-    if silu_inputs:  # (only the Triton module's form takes it)
-        sizes["silu_inputs"] = True
     if norm_gate is None:
         return impl.paged_hstu_attention(*args, **sizes)
     weight, bias, eps, u = norm_gate
     if triton_attention and norm.takes_kernel(q, weight, bias, u) and u.shape == (q.shape[0], q.shape[1] * q.shape[2]):
-        return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate))
+        return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate), silu_gate=silu_gate)
     out = impl.paged_hstu_attention(*args, **sizes)
-    return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_inputs)
+    return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_gate)

@@ -189,7 +189,7 @@ class _InOrder:
         from gr_plugin.ops.triton import hstu_gluon
 
         self.real = real = hstu_gluon.launch
-        hstu_gluon.launch = lambda *a, **kw: real(*a, heavy_first=False, **kw)
+        hstu_gluon.launch = lambda *a: real(*a, heavy_first=False)
 
     def __exit__(self, *exc):
         from gr_plugin.ops.triton import hstu_gluon

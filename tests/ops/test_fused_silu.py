@@ -1,9 +1,9 @@
-"""The cached step's SiLU taken where its consumers load the projection (no SiLU pass of its own):
-`HSTULayer.project` with ``activate=False`` hands over ``u, q, k, v`` before their SiLU, and the
-append (``silu=True``), the paged attention (``silu_inputs=True``: the query tile, a candidate's own
-key and value) and the norm gate (its ``u``) apply it. Each form must give what the same op gives
-on ``F.silu`` of its inputs: the same bits where the op is the torch reference, the kernel's
-rounding of its own SiLU elsewhere (the interpreter on CPU; the Gluon kernel on the H200)."""
+"""The cached step's SiLU without a pass of its own: `HSTULayer.project` with ``activate=False``
+hands over ``u, q, k, v`` before their SiLU; `gr_plugin.ops.silu_append_kv` takes the SiLU of
+``q, k, v`` and appends the new tokens' in one launch, and the paged attention's norm gate takes
+``u``'s as it loads it (``silu_gate``). Each must give what the unfused step gives from ``F.silu``
+of the projection: the same bits where the torch forms serve (CPU), the kernels' rounding of their
+own SiLU elsewhere (the interpreter on CPU; the kernels on the GPU)."""
 
 import pytest
 import torch
@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from gr_plugin import ops
 from gr_plugin.cache import paged_ops
 from gr_plugin.ops import norm
-from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as tri
 from gr_plugin.ops.triton import layer_norm
-from gr_plugin.ops.triton.append_kv import append_kv as tri_append
+from gr_plugin.ops.triton.append_kv import silu_append_kv as tri_silu_append
 
 from .test_attention_norm_gate import CASE, gate_for, within_one_rounding
 from .test_triton_attention import build, replayed, run
@@ -23,54 +22,40 @@ from .test_triton_attention import build, replayed, run
 interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
 
 
-def activated(args, gate=None):
-    """``args`` with ``q, k, v`` replaced by their SiLU (and ``gate``'s ``u``): what the unfused step hands over."""
-    out = {**args, **{name: F.silu(args[name]) for name in ("q", "k", "v")}}
-    return out if gate is None else (out, gate._replace(u=F.silu(gate.u)))
+def silu_gate_of(gate):
+    return gate._replace(u=F.silu(gate.u))
 
 
-def pre_silu(paged, scale=3.0):
-    """Projection-like inputs: ``q, k, v`` spread wide enough that SiLU's negative side is exercised."""
-    return {**paged, **{name: paged[name] * scale for name in ("q", "k", "v")}}
+def wide(gate, scale=3.0):
+    """``gate`` with ``u`` spread like a projection's, so that SiLU's negative side is exercised."""
+    return gate._replace(u=gate.u * scale)
 
 
-def test_reference_dispatch_takes_the_silu_of_every_input_first(monkeypatch):
-    """Where the reference serves (CPU), ``silu_inputs`` is ``F.silu`` of ``q, k, v`` and of the
-    gate's ``u``, then the unfused op: the same bits."""
+def test_reference_gate_takes_the_silu_of_u(monkeypatch):
+    """Where the reference and the torch norm serve (CPU), ``silu_gate`` is the unfused op on
+    ``F.silu(u)``: the same bits."""
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "reference")
     _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
-    paged = pre_silu(paged)
-    gate = gate_for(paged["q"])
-    act, act_gate = activated(paged, gate)
-    for g, ag in ((None, None), (gate, act_gate)):
-        got = run(ops, "paged", {**paged, "norm_gate": g, "silu_inputs": True})
-        want = run(ops, "paged", {**act, "norm_gate": ag})
-        assert torch.equal(got, want)
+    gate = wide(gate_for(paged["q"]))
+    got = run(ops, "paged", {**paged, "norm_gate": gate, "silu_gate": True})
+    assert torch.equal(got, run(ops, "paged", {**paged, "norm_gate": silu_gate_of(gate)}))
 
 
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("gated", [False, True])
-def test_interpreter_kernel_takes_the_silu_where_it_loads(dtype, splits, gated):
-    """The Triton kernel (interpreter) with ``silu_inputs``: its query tile and the candidates' own
-    keys and values activated as loaded, the gate's ``u`` in the norm's pass (split or not); equal
-    to the same launch on activated inputs up to the SiLU's own rounding (numpy's exp, not torch's)."""
+def test_interpreter_gate_takes_the_silu_of_u(dtype, splits):
+    """The Triton attention (interpreter), split or not: the norm's pass (`_ln_mul` / `_sum_ln_mul`)
+    takes ``u``'s SiLU as it loads it; equal to the launch on ``F.silu(u)`` up to the SiLU's own
+    rounding (numpy's exp, not torch's), and not the launch on ``u`` itself."""
     _, paged = build(*CASE, 8, 2, 16, dtype, "cpu")
-    paged = pre_silu(paged)
-    gate = gate_for(paged["q"]) if gated else None
-    act, act_gate = activated(paged, gate) if gated else (activated(paged), None)
-    launch = {"num_splits": splits}
-    if gated:
-        launch_got, launch_want = {**launch, "norm_gate": tuple(gate)}, {**launch, "norm_gate": tuple(act_gate)}
-    else:
-        launch_got = launch_want = launch
-    got = run(tri, "paged", {**paged, **launch_got, "silu_inputs": True})
-    want = run(tri, "paged", {**act, **launch_want})
+    gate = wide(gate_for(paged["q"]))
+    launch = {**paged, "num_splits": splits}
+    got = run(tri, "paged", {**launch, "norm_gate": tuple(gate), "silu_gate": True})
+    want = run(tri, "paged", {**launch, "norm_gate": tuple(silu_gate_of(gate))})
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(got, want, **tol)
-    # and not the launch on the raw inputs: the SiLU is really taken
-    assert not torch.allclose(got, run(tri, "paged", {**paged, **launch_got}), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(got, run(tri, "paged", {**launch, "norm_gate": tuple(gate)}), rtol=1e-2, atol=1e-2)
 
 
 @interpreter
@@ -79,39 +64,82 @@ def test_interpreter_empty_batch_gate_takes_the_silu():
     _, paged = build(*CASE, 8, 2, 16, torch.float32, "cpu")
     args = {**paged, "q_offsets": paged["q_offsets"][:1], "history_lengths": paged["history_lengths"][:0],
             "new_lengths": paged["new_lengths"][:0], "kv_indptr": paged["kv_indptr"][:1]}
-    gate = gate_for(args["q"])
-    got = run(tri, "paged", {**args, "num_splits": 3, "norm_gate": tuple(gate), "silu_inputs": True})
+    gate = wide(gate_for(args["q"]))
+    got = run(tri, "paged", {**args, "num_splits": 3, "norm_gate": tuple(gate), "silu_gate": True})
     want = F.layer_norm(torch.zeros(args["q"].shape[0], 32), (32,), gate.weight, gate.bias, 1e-5) * F.silu(gate.u)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_full_pass_refuses_silu_inputs():
-    """The full pass reads every key from ``k`` and ``v`` (by TMA in the Gluon kernel): not offered."""
-    jag, _ = build(*CASE, 8, 2, 16, torch.float32, "cpu")
-    with pytest.raises(ValueError, match=r"^silu_inputs applies to the paged form"):
-        run(tri, "jagged", {**jag, "silu_inputs": True})
+def _projection(n=9, heads=2, dim=8, seed=3, dtype=torch.float32, device="cpu"):
+    """``q, k, v`` as chunks of one projection row (strided rows, as `HSTULayer.project` hands them over)."""
+    g = torch.Generator().manual_seed(seed)
+    uvqk = (torch.randn(n, 4 * heads * dim, generator=g) * 3).to(dtype=dtype, device=device)
+    _, v, q, k = uvqk.chunk(4, dim=-1)
+    return tuple(t.reshape(n, heads, dim) for t in (q, k, v))
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreter)])
-def test_append_writes_the_silu(kernel):
-    """``append_kv(..., silu=True)`` writes ``F.silu(k)``, ``F.silu(v)`` (the reference: the same
-    bits; the kernel in the interpreter: to its SiLU's rounding), the rest of the table untouched."""
-    g = torch.Generator().manual_seed(3)
+def test_silu_append_returns_and_writes_the_silu(kernel):
+    """`silu_append_kv` returns ``F.silu`` of ``q, k, v`` and writes the new tokens' ``F.silu(k),
+    F.silu(v)`` at their slots, the rest of the table untouched: the torch form (CPU) gives the bits
+    of ``F.silu`` then `append_kv`; the kernel (interpreter) gives them to its SiLU's rounding."""
     heads, dim, page = 2, 8, 4
-    table = torch.randn(5, 2, page, heads, dim, generator=g)
-    k, v = (torch.randn(9, heads, dim, generator=g) * 3 for _ in range(2))
+    q, k, v = _projection(heads=heads, dim=dim)
+    table = torch.randn(5, 2, page, heads, dim, generator=torch.Generator().manual_seed(4))
     rows, slots = torch.tensor([0, 4, 8]), torch.tensor([1, page + 2, 4 * page + 3])
-    got, want = table.clone(), table.clone()
-    paged_ops.append_kv(want, F.silu(k), F.silu(v), slots, rows)
+    want_table = table.clone()
+    paged_ops.append_kv(want_table, F.silu(k), F.silu(v), slots, rows)
+    got_table = table.clone()
+    got = (tri_silu_append if kernel else ops.silu_append_kv)(got_table, q, k, v, slots, rows)
+    want = (F.silu(q), F.silu(k), F.silu(v))
     if kernel:
-        tri_append(got, k, v, slots, rows, silu=True)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_table, want_table, rtol=1e-6, atol=1e-6)
+        # the pages hold the returned keys and values: one formula, one rounding
+        assert torch.equal(got_table[1, 0, 2], got[1][4]) and torch.equal(got_table[4, 1, 3], got[2][8])
     else:
-        ops.append_kv(got, k, v, slots, rows, silu=True)
-        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(got_table, want_table)
     untouched = torch.ones(5 * 2 * page, dtype=torch.bool)
     untouched[torch.cat(paged_ops._flat_kv_index(slots, page))] = False
-    assert torch.equal(got.view(-1, heads, dim)[untouched], table.view(-1, heads, dim)[untouched])
+    assert torch.equal(got_table.view(-1, heads, dim)[untouched], table.view(-1, heads, dim)[untouched])
+
+
+@interpreter
+def test_silu_append_without_new_tokens_and_of_the_whole_table():
+    """No new token: only the activation; the whole-table form (``layer``) writes that layer's pages."""
+    q, k, v = _projection(n=5)
+    table = torch.zeros(2, 3, 2, 4, 2, 8)
+    got = tri_silu_append(table[0], q, k, v, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    torch.testing.assert_close(got[0], F.silu(q), rtol=1e-6, atol=1e-6)
+    assert not table.any()
+    tri_silu_append(table, q, k, v, torch.tensor([5]), torch.tensor([2]), layer=1)
+    torch.testing.assert_close(table[1, 1, 0, 1], F.silu(k[2]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(table[1, 1, 1, 1], F.silu(v[2]), rtol=1e-6, atol=1e-6)
+    assert not table[0].any() and int((table[1] != 0).sum()) == 2 * 2 * 8
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    (lambda q, k, v, t: (q, k[:-1], v, t), r"^k must be \(9, 2, 8\) torch.float32 with contiguous \[H, D\] rows, got "
+                                            r"\(8, 2, 8\)"),
+    (lambda q, k, v, t: (q, k, v.half(), t), r"^v must be \(9, 2, 8\) torch.float32 .* got \(9, 2, 8\) torch.float16"),
+    (lambda q, k, v, t: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, t),
+     r"^q must be .* strides \(16, 1, 2\)"),
+    (lambda q, k, v, t: (q, k, v, t[..., :4]), r"^kv_layer must hold \[2, 8\] rows, contiguous, got shape "
+                                               r"\(5, 2, 4, 2, 4\)"),
+])
+def test_silu_append_names_bad_inputs_and_writes_nothing(bad, match):
+    """The kernel's form checks its tensors before it launches (run here in the interpreter's place:
+    the checks come first)."""
+    q, k, v = _projection()
+    table = torch.zeros(5, 2, 4, 2, 8)
+    q, k, v, t = bad(q, k, v, table)
+    with pytest.raises(ValueError, match=match):
+        tri_silu_append(t, q, k, v, torch.tensor([1]), torch.tensor([0]))
+    assert not table.any()
+    with pytest.raises(ValueError, match=r"^rows and slots must name one new token each, got 2 and 1"):
+        tri_silu_append(table, *_projection(), torch.tensor([1]), torch.tensor([0, 1]))
+    assert not table.any()
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreter)])
@@ -130,7 +158,7 @@ def test_norm_gate_takes_the_silu_of_u(kernel):
 
 
 def test_layer_attend_pages_unactivated_equals_activated():
-    """`HSTULayer.attend_pages` from `project(activate=False)` (CPU: the references) gives the bits
+    """`HSTULayer.attend_pages` from `project(activate=False)` (CPU: the torch forms) gives the bits
     of the activated projection's, and its pages get the same keys and values."""
     from tests.modules.helpers import tiny_model
 
@@ -155,44 +183,39 @@ def test_layer_attend_pages_unactivated_equals_activated():
                                    num_history_tokens=paged["num_history_tokens"], activated=activate)
         outs.append((a, t))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[1][1], table)  # (the new tokens were written)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dim", "page_size"), [(128, 128), (256, 32), (64, 16)])
-@pytest.mark.parametrize("splits", [None, 1])
-def test_gpu_graphed_launch_takes_the_silu_where_it_loads(dim, page_size, splits):
-    """bf16, graphed as the buckets launch it (on Hopper the Gluon kernel): ``silu_inputs`` with the
-    norm gate against the same launch on activated inputs, within one rounding step of the output
-    (the only difference: the kernel's SiLU of a query, key or value against torch's, both rounded
-    to bf16); and the project's rule against an fp32 reference of the activated step."""
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_gpu_graphed_gate_takes_the_silu_of_u(dim, page_size, splits):
+    """bf16, graphed as the buckets launch it (on Hopper the Gluon kernel): ``silu_gate`` against the
+    same launch on ``F.silu(u)``: one rounding step apart at most (the norm's SiLU of ``u`` against
+    torch's, both rounded to bf16, then the same pass)."""
     hist, cand, cached = [4096, 300, 1000], [256, 1, 40], [3968, 0, 1000]
     _, paged = build(hist, cand, cached, page_size, 4, dim, torch.bfloat16, "cuda")
-    paged = pre_silu(paged)
-    gate = gate_for(paged["q"])
-    act, act_gate = activated(paged, gate)
-    launch = {} if splits is None else {"num_splits": splits}
-    got, want = replayed(lambda: (run(tri, "paged", {**paged, **launch, "norm_gate": tuple(gate), "silu_inputs": True}),
-                                  run(tri, "paged", {**act, **launch, "norm_gate": tuple(act_gate)})))
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
-    n = paged["q"].shape[0]
-    width = 4 * dim
-    ln = F.layer_norm
-    a32 = run(ref, "paged", act, torch.float32).reshape(n, width)
-    exact = ln(a32, (width,), gate.weight.float(), gate.bias.float(), gate.eps) * act_gate.u.float()
-    a16 = run(ref, "paged", act, torch.bfloat16).reshape(n, width)
-    low = (ln(a16, (width,), act_gate.weight, act_gate.bias, gate.eps) * act_gate.u).float()
-    err, err_low = (got.float() - exact).abs().max().item(), (low - exact).abs().max().item()
-    assert err <= 2 * err_low + 1e-6, (err, err_low)
+    gate = wide(gate_for(paged["q"]))
+    launch = {**paged} if splits is None else {**paged, "num_splits": splits}
+    got, want = replayed(lambda: (run(tri, "paged", {**launch, "norm_gate": tuple(gate), "silu_gate": True}),
+                                  run(tri, "paged", {**launch, "norm_gate": tuple(silu_gate_of(gate))})))
+    within_one_rounding(got, want)
 
 
 @pytest.mark.gpu
-def test_gpu_append_kernel_writes_torchs_silu():
-    g = torch.Generator().manual_seed(6)
-    table = torch.randn(7, 2, 32, 4, 256, generator=g).to(torch.bfloat16).cuda()
-    k, v = ((torch.randn(40, 4, 256, generator=g) * 3).to(torch.bfloat16).cuda() for _ in range(2))
+@pytest.mark.parametrize(("heads", "dim", "page"), [(4, 256, 32), (4, 128, 128), (2, 64, 16)])
+def test_gpu_silu_append_writes_torchs_silu(heads, dim, page):
+    """bf16 on the GPU: the returned ``q, k, v`` and the written pages within one rounding step of
+    ``F.silu`` then `append_kv`, the pages equal to the returned keys and values."""
+    q, k, v = _projection(n=40, heads=heads, dim=dim, seed=6, dtype=torch.bfloat16, device="cuda")
+    table = torch.randn(7, 2, page, heads, dim, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
     rows = torch.arange(0, 40, 2, device="cuda")
-    slots = torch.arange(20, device="cuda") * 7 % (7 * 32)
-    got, want = table.clone(), table.clone()
-    tri_append(got, k, v, slots, rows, silu=True)
-    paged_ops.append_kv(want, F.silu(k), F.silu(v), slots, rows)
-    within_one_rounding(got, want)
+    slots = torch.arange(20, device="cuda") * 3 + 1  # (distinct: a slot written twice would race)
+    got_table, want_table = table.clone(), table.clone()
+    got = tri_silu_append(got_table, q, k, v, slots, rows)
+    paged_ops.append_kv(want_table, F.silu(k), F.silu(v), slots, rows)
+    for a, b in zip(got, (F.silu(q), F.silu(k), F.silu(v))):
+        within_one_rounding(a, b)
+    within_one_rounding(got_table, want_table)
+    written = got_table.view(-1, heads, dim)[torch.cat(paged_ops._flat_kv_index(slots, page))]
+    assert torch.equal(written, torch.cat([got[1][rows], got[2][rows]]))

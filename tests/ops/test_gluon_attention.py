@@ -52,7 +52,7 @@ def _spy_kernels(monkeypatch) -> list:
         def __getitem__(self, grid):
             return lambda *a, **kw: took.append("triton")
 
-    monkeypatch.setattr(hstu_gluon, "launch", lambda *a, **kw: took.append(("gluon", a[-1])))
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(("gluon", a[-1])))
     monkeypatch.setattr(tri, "_hstu_fwd", Triton())
     return took
 
@@ -326,7 +326,7 @@ def _record_gluon_tiles(monkeypatch) -> list:
 
     took = []
     real = hstu_gluon.launch
-    monkeypatch.setattr(hstu_gluon, "launch", lambda *a, **kw: took.append(a[-1]) or real(*a, **kw))
+    monkeypatch.setattr(hstu_gluon, "launch", lambda *a: took.append(a[-1]) or real(*a))
     return took
 
 
@@ -382,7 +382,7 @@ def test_gpu_gluon_full_pass_error_within_twice_the_torch_reference(dim, seed, s
     assert torch.equal(run(tri, "jagged", args), got)
     real = hstu_gluon.launch
     try:
-        hstu_gluon.launch = lambda *a, **kw: real(*a, heavy_first=False, **kw)
+        hstu_gluon.launch = lambda *a: real(*a, heavy_first=False)
         assert torch.equal(run(tri, "jagged", args), got)
     finally:
         hstu_gluon.launch = real

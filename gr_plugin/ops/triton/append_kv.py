@@ -4,9 +4,11 @@ Owns the GPU kernel behind `gr_plugin.ops.append_kv` (the reference is
 `gr_plugin.cache.paged_ops.append_kv`, which it must match bit for bit): token ``i`` takes row
 ``rows[i]`` of ``k``/``v`` ``[Nq, H, D]`` (so the caller need not gather the new tokens first) and
 lands at ``slots[i]`` (``page * page_size + offset``) of ``kv_layer [num_pages, 2, P, H, D]``.
-With ``silu``, ``k``/``v`` are the layer's pre-SiLU projection and the pages get ``SiLU(k)``,
-``SiLU(v)`` (`gr_plugin.ops.triton.silu`, rounded to the table's dtype): what the reference writes
-from torch's SiLU of them, so the cached step needs no SiLU pass of its own.
+
+``silu_append_kv`` is the cached step's form from the layer's projection before its SiLU: one launch
+takes ``SiLU`` of every query row's ``q, k, v`` into a new buffer (what the attention reads) and writes
+the new tokens' ``SiLU(k), SiLU(v)`` into their slots, instead of a SiLU pass over the whole projection
+and the append after it (`gr_plugin.ops.triton.silu`: torch's formula, rounded to the inputs' dtype).
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import silu as _silu
-from gr_plugin.ops.triton import table_layout
+from gr_plugin.ops.triton import silu, table_layout
 
 
 @triton.jit
 def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
-            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr):
+            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows + i).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
@@ -29,19 +30,13 @@ def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp,
     for c0 in range(0, WIDTH, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         ok = c < WIDTH
-        k = tl.load(K + row * stride_kt + c, mask=ok)
-        v = tl.load(V + row * stride_vt + c, mask=ok)
-        if SILU:
-            k = _silu(k).to(K.dtype.element_ty)
-            v = _silu(v).to(V.dtype.element_ty)
-        tl.store(KV + dst + c, k, mask=ok)
-        tl.store(KV + stride_pkv + dst + c, v, mask=ok)
+        tl.store(KV + dst + c, tl.load(K + row * stride_kt + c, mask=ok), mask=ok)
+        tl.store(KV + stride_pkv + dst + c, tl.load(V + row * stride_vt + c, mask=ok), mask=ok)
 
 
 def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              rows: torch.Tensor | None = None, layer: int | None = None, silu: bool = False) -> None:
-    """``kv_layer[slot_i] = (k[rows_i], v[rows_i])`` (their SiLU with ``silu``); ``rows`` None means
-    ``arange(len(slots))``.
+              rows: torch.Tensor | None = None, layer: int | None = None) -> None:
+    """``kv_layer[slot_i] = (k[rows_i], v[rows_i])``; ``rows`` None means ``arange(len(slots))``.
     With ``layer``, ``kv_layer`` is the whole table ``[L, num_pages, 2, P, H, D]`` and the tokens go
     into that layer (`table_layout`)."""
     n = slots.numel()
@@ -59,4 +54,60 @@ def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     layer_pages, sp = table_layout(kv_layer, layer)
     block = min(1024, triton.next_power_of_2(width))
     _append[(n,)](k, v, kv_layer, rows, slots, layer_pages, k.stride(0), v.stride(0), sp[0], sp[1], sp[2],
-                  PAGE_SIZE=page_size, WIDTH=width, BLOCK=block, SILU=bool(silu), num_warps=4)
+                  PAGE_SIZE=page_size, WIDTH=width, BLOCK=block, num_warps=4)
+
+
+@triton.jit
+def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, stride_kt, stride_vt, stride_ot,
+                 stride_op, stride_pp, stride_pkv, stride_pt, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Programs ``[0, n_rows)``: row ``i``'s ``SiLU(q), SiLU(k), SiLU(v)`` into ``Out[i, 0..2]``; program
+    ``n_rows + j``: new token ``j`` (row ``rows[j]``) into slot ``slots[j]``. Both read only the inputs,
+    so no program reads what another writes."""
+    pid = tl.program_id(0)
+    dt = Out.dtype.element_ty
+    if pid < n_rows:
+        row = pid.to(tl.int64)
+        out = Out + row * stride_ot
+        for c0 in range(0, WIDTH, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            ok = c < WIDTH
+            tl.store(out + c, silu(tl.load(Q + row * stride_qt + c, mask=ok)).to(dt), mask=ok)
+            tl.store(out + stride_op + c, silu(tl.load(K + row * stride_kt + c, mask=ok)).to(dt), mask=ok)
+            tl.store(out + 2 * stride_op + c, silu(tl.load(V + row * stride_vt + c, mask=ok)).to(dt), mask=ok)
+    else:
+        i = pid - n_rows
+        row = tl.load(rows + i).to(tl.int64)
+        slot = tl.load(slots + i).to(tl.int64)
+        dst = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
+        for c0 in range(0, WIDTH, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            ok = c < WIDTH
+            tl.store(KV + dst + c, silu(tl.load(K + row * stride_kt + c, mask=ok)).to(dt), mask=ok)
+            tl.store(KV + stride_pkv + dst + c, silu(tl.load(V + row * stride_vt + c, mask=ok)).to(dt), mask=ok)
+
+
+def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                   rows: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``SiLU`` of ``q, k, v [N, H, D]`` (contiguous ``[H, D]`` rows, one dtype, the table's), returned as
+    views of one new ``[N, 3, H, D]`` buffer, and ``kv_layer[slot_i] = (SiLU(k[rows_i]), SiLU(v[rows_i]))``,
+    in one launch; ``layer`` as `append_kv`'s."""
+    n, heads, dim = q.shape
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape != q.shape or t.dtype != kv_layer.dtype or t.stride(-1) != 1 or t.stride(-2) != dim:
+            raise ValueError(f"{name} must be {tuple(q.shape)} {kv_layer.dtype} with contiguous [H, D] rows, got "
+                             f"{tuple(t.shape)} {t.dtype}, strides {t.stride()}")
+    if kv_layer.shape[-2:] != (heads, dim) or kv_layer.stride(-1) != 1 or kv_layer.stride(-2) != dim:
+        raise ValueError(f"kv_layer must hold [{heads}, {dim}] rows, contiguous, got shape {tuple(kv_layer.shape)} "
+                         f"and strides {kv_layer.stride()}")
+    if rows.numel() != slots.numel():
+        raise ValueError(f"rows and slots must name one new token each, got {rows.numel()} and {slots.numel()}")
+    out = torch.empty((n, 3, heads, dim), dtype=q.dtype, device=q.device)
+    layer_pages, sp = table_layout(kv_layer, layer)
+    width = heads * dim
+    if n + slots.numel():
+        _silu_append[(n + slots.numel(),)](q, k, v, out, kv_layer, rows, slots, n, layer_pages, q.stride(0),
+                                           k.stride(0), v.stride(0), out.stride(0), out.stride(1), sp[0], sp[1], sp[2],
+                                           PAGE_SIZE=kv_layer.shape[-3], WIDTH=width,
+                                           BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)
+    return out[:, 0], out[:, 1], out[:, 2]

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import layer_norm, silu, table_layout, tma_covers
+from gr_plugin.ops.triton import layer_norm, table_layout, tma_covers
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -135,14 +135,11 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-          SILU_IN: tl.constexpr):
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
     (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
-    ``kv_indices`` (paged form), which the caller loads. ``SILU_IN``: ``Q``, ``K``, ``V`` are the
-    layer's pre-SiLU projection, activated as loaded (`gr_plugin.ops.triton.silu`, rounded to their
-    dtype); the pages hold activated keys and values.
+    ``kv_indices`` (paged form), which the caller loads.
 
     NOTE: the caller computes where the rows go itself. Inductor's analysis of which arguments a
     kernel writes (a traced launch, AOTInductor) follows a store's address back through its ops, and
@@ -157,8 +154,6 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + rows).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if SILU_IN:
-        q = silu(q).to(Q.dtype.element_ty)
     is_hist = rows < new
     # last key position each query may see: its own position (history) or the last history token
     qpos = tl.where(is_hist, hist - new + rows, hist - 1)
@@ -193,9 +188,6 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
         cand = row_ok & (rows >= new)
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
         v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
-        if SILU_IN:
-            k_own = silu(k_own).to(K.dtype.element_ty)
-            v_own = silu(v_own).to(V.dtype.element_ty)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
         acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
     return acc
@@ -233,7 +225,7 @@ def _hstu_fwd(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
-    REVERSED: tl.constexpr, SILU_IN: tl.constexpr,
+    REVERSED: tl.constexpr,
 ):
     d = tl.arange(0, HEAD_DIM)
     if not STREAM:
@@ -259,7 +251,7 @@ def _hstu_fwd(
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU_IN)
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
@@ -304,7 +296,7 @@ def _hstu_fwd(
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, SILU_IN)
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
             q_start = tl.load(q_offsets + b).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -724,7 +716,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
             tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True, kernel=None,
-            silu_inputs=False):
+            silu_gate=False):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -735,16 +727,13 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     kernel passes the table's capacity): the tiles are `_launch_blocks`' without the model and the
     count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`; ``blocks``
     then names its tiles; a launch it cannot take is an error), ``"triton"``, or None: see
-    `_gluon_choice`. ``silu_inputs`` (paged only): ``q``, ``k``, ``v`` and the norm gate's ``u`` are
-    pre-SiLU (`gr_plugin.ops.paged_hstu_attention`'s): the Gluon kernel and the norm's pass take
-    their SiLU where they load them, as does the Triton kernel (`_tile`'s ``SILU_IN``)."""
+    `_gluon_choice`. ``silu_gate``: the norm gate's ``u`` is the layer's projection before its SiLU,
+    which the norm's pass applies as it loads it (`layer_norm`'s ``silu_u``)."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     if norm_gate is not None:
         _check_norm_gate(norm_gate, q)
-    if silu_inputs and not paged:
-        raise ValueError("silu_inputs applies to the paged form (the full pass reads every key from k and v)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
@@ -783,7 +772,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     if type(num_splits) is not int or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     if nq == 0 or bsz == 0:
-        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate, silu_inputs)
+        return _gated(torch.zeros(q.shape, dtype=q.dtype, device=q.device), norm_gate, silu_gate)
     if num_splits == 1:
         out = target = torch.empty_like(q)
     else:
@@ -820,7 +809,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         from gr_plugin.ops.triton import hstu_gluon
 
         hstu_gluon.launch(grid, q, k, v, target, kv, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, num_splits,
-                          split_stride, strides, alpha, 1.0 / float(n_norm), blocks, silu_inputs=silu_inputs)
+                          split_stride, strides, alpha, 1.0 / float(n_norm), blocks)
     else:
         _hstu_fwd[grid](
             q, k, v, target, kv_arg, desc, idx, ptr, layer_pages, q_offsets, hist_lens, new_lens, part, done, *sizes,
@@ -830,17 +819,17 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
             WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
-            REVERSED=bool(reversed_programs) and stream, SILU_IN=bool(silu_inputs),
+            REVERSED=bool(reversed_programs) and stream,
             num_warps=warps, num_stages=stages,
         )
     if num_splits > 1:
         if norm_gate is not None:
             weight, bias, eps, u = norm_gate
-            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype, silu_inputs)
+            return layer_norm.sum_layer_norm_mul(target, q_offsets, bsz, weight, bias, eps, u, q.dtype, silu_gate)
         n = out.numel()
         _sum_parts[(_cdiv(n, _SUM_BLOCK),)](target, out, q_offsets, bsz, n, heads * dim, num_splits,
                                             BLOCK=_SUM_BLOCK)
-    return _gated(out, norm_gate, silu_inputs)
+    return _gated(out, norm_gate, silu_gate)
 
 
 def _check_norm_gate(norm_gate, q: torch.Tensor) -> None:

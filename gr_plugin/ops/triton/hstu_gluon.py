@@ -49,16 +49,6 @@ def _silu(s, alpha):
 
 
 @gluon.jit
-def _activated(x, SILU: gl.constexpr):
-    """A loaded block of the layer's pre-SiLU projection as torch's ``F.silu`` gives it with ``SILU``
-    (``x / (1 + exp(-x))`` in fp32, rounded to ``x``'s dtype), else ``x`` itself."""
-    if SILU:
-        f = x.to(gl.float32)
-        x = (f / (1.0 + gl.exp(-f))).to(x.dtype)
-    return x
-
-
-@gluon.jit
 def _issue(KD, VD, kv_indices, page_base, layer_pages, n0, col, rows_pp, v_rows, key_row0, bar, k_dst, v_dst,
            PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
     """TMA loads of the key and value block at history position ``n0`` into ``k_dst`` / ``v_dst``,
@@ -80,7 +70,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               SILU_IN: gl.constexpr, num_warps: gl.constexpr):
+               num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -124,21 +114,8 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld_layout))
     row_ok_ld = rows_ld < q_len
     q_rows = q_start + rows_ld
-    CH: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM  # (column chunks: what registers hold at a time)
-    ch_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [num_warps, 1], [1, 0])
-    if SILU_IN:  # the query tile activated as it goes to shared memory, a chunk of columns at a time
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, HEAD_DIM], q_sl)
-        rows_q = q_start + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))
-        ok_q = (m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))) < q_len
-        d_q = gl.arange(0, CH, layout=gl.SliceLayout(0, ch_layout))
-        for c in gl.static_range(HEAD_DIM // CH):
-            qc = gl.load(Q + rows_q[:, None] * stride_qt + h * stride_qh + c * CH + d_q[None, :], mask=ok_q[:, None],
-                         other=0.0)
-            q_smem.slice(c * CH, CH, dim=1).store(_activated(qc, True))
-    else:
-        q = gl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d_ld[None, :], mask=row_ok_ld[:, None],
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, HEAD_DIM], q_sl, q)
+    q = gl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + d_ld[None, :], mask=row_ok_ld[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, HEAD_DIM], q_sl, q)
     k_bufs = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_bufs = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -162,32 +139,6 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                    bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE, PAGED)
 
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-
-    # a candidate also sees itself, added by the tile's first split: its diagonal weight, rounded as a
-    # block's weights are, times its own value; the accumulator's first term, while the first key
-    # blocks' loads are in flight and before the loop holds registers (an activated value, loaded
-    # after the loop beside the accumulator, spilled at head_dim 256)
-    if (split == 0) & (last >= new):
-        # q.k per row in column chunks of 64, then the weighted value in the accumulator's own layout
-        rows_c = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))
-        d_c = gl.arange(0, CH, layout=gl.SliceLayout(0, ch_layout))
-        cand_c = (rows_c < q_len) & (rows_c >= new)
-        k_rows = (q_start + rows_c) * stride_kt + h * stride_kh
-        w = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, ch_layout))
-        for c in gl.static_range(HEAD_DIM // CH):
-            qc = q_smem.slice(c * CH, CH, dim=1).load(ch_layout)
-            kc = _activated(gl.load(K + k_rows[:, None] + c * CH + d_c[None, :], mask=cand_c[:, None], other=0.0),
-                            SILU_IN)
-            w += gl.sum(qc.to(gl.float32) * kc.to(gl.float32), axis=1)
-        w = gl.where(cand_c, _silu(w, alpha).to(dt).to(gl.float32), 0.0)
-        w_o = gl.convert_layout(w, gl.SliceLayout(1, o_layout))
-        rows_v = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        d_v = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        cand_v = (rows_v < q_len) & (rows_v >= new)
-        vo = _activated(gl.load(V + ((q_start + rows_v) * stride_vt + h * stride_vh)[:, None] + d_v[None, :],
-                                mask=cand_v[:, None], other=0.0), SILU_IN)
-        acc = acc + w_o[:, None] * vo.to(gl.float32)
-
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if n_full > 0:
         mbarrier.wait(bars.index(0), 0)
@@ -242,6 +193,31 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             p = gl.where(allowed, _silu(s, alpha), 0.0)
             acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), vm, acc)
 
+    # a candidate also sees itself, added by the tile's first split: its diagonal weight, rounded as a
+    # block's weights are, times its own value
+    if (split == 0) & (last >= new):
+        # q.k per row in column chunks of 64 (what registers hold beside the accumulator), then the
+        # weighted value added in the accumulator's own layout
+        CH: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM
+        ch_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [num_warps, 1], [1, 0])
+        rows_c = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))
+        d_c = gl.arange(0, CH, layout=gl.SliceLayout(0, ch_layout))
+        cand_c = (rows_c < q_len) & (rows_c >= new)
+        k_rows = (q_start + rows_c) * stride_kt + h * stride_kh
+        w = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, ch_layout))
+        for c in gl.static_range(HEAD_DIM // CH):
+            qc = q_smem.slice(c * CH, CH, dim=1).load(ch_layout)
+            kc = gl.load(K + k_rows[:, None] + c * CH + d_c[None, :], mask=cand_c[:, None], other=0.0)
+            w += gl.sum(qc.to(gl.float32) * kc.to(gl.float32), axis=1)
+        w = gl.where(cand_c, _silu(w, alpha).to(dt).to(gl.float32), 0.0)
+        w_o = gl.convert_layout(w, gl.SliceLayout(1, o_layout))
+        rows_v = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        d_v = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        cand_v = (rows_v < q_len) & (rows_v >= new)
+        vo = gl.load(V + ((q_start + rows_v) * stride_vt + h * stride_vh)[:, None] + d_v[None, :],
+                     mask=cand_v[:, None], other=0.0)
+        acc = acc + w_o[:, None] * vo.to(gl.float32)
+
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     rows_o = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -257,18 +233,14 @@ def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
 
 
 def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
-           split_stride, strides, alpha, inv_norm, blocks, heavy_first=None, silu_inputs=False) -> None:
+           split_stride, strides, alpha, inv_norm, blocks, heavy_first=None) -> None:
     """Launch `_paged_fwd` over ``grid`` (``hstu_attention._launch``'s split grid and arguments);
     ``blocks``: (BLOCK_M, BLOCK_N, warps, stages), BLOCK_M 16 rows a warp. ``kv`` None: the full pass
     (keys and values read from ``k`` and ``v``, ``hist_lens`` = ``new_lens``: every row a query);
-    ``heavy_first`` (default: the full pass) runs the query tiles last to first. ``silu_inputs``
-    (paged only: the pages hold activated K/V): ``q``, ``k``, ``v`` are pre-SiLU, activated as loaded
-    (the query tile once, before it goes to shared memory; a candidate's own key and value)."""
+    ``heavy_first`` (default: the full pass) runs the query tiles last to first."""
     block_m, block_n, warps, stages = blocks
     dim = q.shape[2]
     paged = kv is not None
-    if silu_inputs and not paged:
-        raise ValueError("silu_inputs applies to the paged form (the full pass loads its keys by TMA as they are)")
     layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gl.bfloat16)
     if paged:
         kd = vd = TensorDescriptor.from_tensor(kv.view(-1, kv.stride(-3)), [block_n, dim], layout)
@@ -280,7 +252,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), SILU_IN=bool(silu_inputs), num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
