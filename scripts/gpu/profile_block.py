@@ -3,8 +3,9 @@
 python3 scripts/gpu/profile_block.py [head_dim] [page] [bs] -> for the cached step (4096 history, 3968 cached,
 128 new, 256 candidates per user) and the full recomputation, the device time of each kernel (summed over the
 8 layers, averaged over the profiled steps), its share, and the step's wall time as CUDA graphs. The cached
-step also as it ran before its consumers took the projection's SiLU (``silu_pass``: a SiLU pass of its own),
-its wall time taken in turns with the engine's form.
+step also as it ran before its consumers took the projection's SiLU (``silu_pass``: a SiLU pass of its own)
+and with the other form of the kernels' SiLU (`gr_plugin.ops.triton.EXACT_SILU` flipped), their wall times
+taken in turns with the engine's form.
 """
 
 import collections
@@ -13,6 +14,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import gr_plugin.ops.triton as tri_ops
 from gr_plugin.bench.block import Block, StaticStep, _graph, _time_ms
 
 dim, page, bs = (int(a) for a in (sys.argv[1:] + ["128", "128", "8"][len(sys.argv) - 1:])[:3])
@@ -46,11 +48,16 @@ with torch.no_grad():
     full_fn, _ = blk.full_fn(bs, hist, cands)
     step = StaticStep(blk, plan, bs, hist - cached, cands)
     step_pass = StaticStep(blk, plan, bs, hist - cached, cands, silu_pass=True)
+    tri_ops.EXACT_SILU = not tri_ops.EXACT_SILU  # (the other SiLU form, captured into this step's graphs)
+    step_other = StaticStep(blk, plan, bs, hist - cached, cands)
+    tri_ops.EXACT_SILU = not tri_ops.EXACT_SILU
+    other = f"cached (graph, {'approximate' if tri_ops.EXACT_SILU else 'exact'} SiLU)"
     full_graph = _graph(full_fn)
     rounds = collections.defaultdict(list)
     for _ in range(5):  # in turns, so that a drift of the machine's speed touches both forms alike
         rounds["cached (graph)"].append(_time_ms(step.run, 20))
         rounds["cached (graph, SiLU pass)"].append(_time_ms(step_pass.run, 20))
+        rounds[other].append(_time_ms(step_other.run, 20))
     walls = {k: sorted(v)[len(v) // 2] for k, v in rounds.items()}
     walls["full (graph)"] = _time_ms(full_graph, 10)
 for name, fn in (("cached (graphs)", step.run), ("cached (graphs, SiLU pass)", step_pass.run),

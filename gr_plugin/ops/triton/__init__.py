@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def table_layout(kv: torch.Tensor, layer: int | None) -> tuple[int, tuple[int, ...]]:
@@ -45,11 +48,25 @@ def tma_covers_rows(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
+# GR_PLUGIN_EXACT_SILU=1: the kernels that take a layer's projection before its SiLU (`silu`) use torch's
+# formula with libdevice's exp and a correctly rounded division (torch's bits) instead of the approximate
+# ones. NOTE: off by default. Measured on the H200 (docs/BENCHMARKS.md, scripts/gpu/tune_silu_append.py):
+# the exact form cost 0.7-3.6 us a layer more, and the approximate one gave torch's bits in every case there.
+EXACT_SILU = os.environ.get("GR_PLUGIN_EXACT_SILU", "0") == "1"
+
+
+def exact_silu(t: torch.Tensor) -> bool:
+    """`silu`'s ``EXACT`` for a launch on ``t``: `EXACT_SILU` on CUDA (the interpreter has no libdevice)."""
+    return EXACT_SILU and t.is_cuda
+
+
 @triton.jit
-def silu(x):
-    """``SiLU(x)`` of a loaded tensor, in fp32 and returned in fp32: ``x / (1 + exp(-x))``, the form
-    of torch's ``F.silu``, which the kernels that take a layer's pre-SiLU projection (the append's
-    and the norm gate's ``silu`` forms) apply where they load it, rounding the result to the
-    tensor's own dtype as torch's SiLU rounds its output."""
+def silu(x, EXACT: tl.constexpr):
+    """``SiLU(x)`` of a loaded tensor in fp32 (the caller rounds it to the tensor's dtype, as torch's
+    ``F.silu`` rounds its output): ``x / (1 + exp(-x))``. ``EXACT``: torch's bits, with libdevice's
+    ``expf`` (the accurate one torch's CUDA kernel calls) and a correctly rounded division; else
+    ``tl.exp`` and Triton's division (what the interpreter runs, with numpy's exp)."""
     x = x.to(tl.float32)
+    if EXACT:
+        return tl.math.div_rn(x, 1.0 + libdevice.exp(-x))
     return x / (1.0 + tl.exp(-x))

@@ -8,7 +8,7 @@ lands at ``slots[i]`` (``page * page_size + offset``) of ``kv_layer [num_pages, 
 ``silu_append_kv`` is the cached step's form from the layer's projection before its SiLU: one launch
 takes ``SiLU`` of every query row's ``q, k, v`` into a new buffer (what the attention reads) and writes
 the new tokens' ``SiLU(k), SiLU(v)`` into their slots, instead of a SiLU pass over the whole projection
-and the append after it (`gr_plugin.ops.triton.silu`: torch's formula, rounded to the inputs' dtype).
+and the append after it (`gr_plugin.ops.triton.silu`; torch's bits with `EXACT_SILU`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import silu, table_layout
+from gr_plugin.ops.triton import exact_silu, silu, table_layout
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 @triton.jit
 def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, stride_kt, stride_vt, stride_ot,
                  stride_op, stride_pp, stride_pkv, stride_pt, PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, EXACT: tl.constexpr):
     """Programs ``[0, n_rows)``: row ``i``'s ``SiLU(q), SiLU(k), SiLU(v)`` into ``Out[i, 0..2]``; program
     ``n_rows + j``: new token ``j`` (row ``rows[j]``) into slot ``slots[j]``. Both read only the inputs,
     so no program reads what another writes."""
@@ -72,9 +72,9 @@ def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, 
         for c0 in range(0, WIDTH, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             ok = c < WIDTH
-            tl.store(out + c, silu(tl.load(Q + row * stride_qt + c, mask=ok)).to(dt), mask=ok)
-            tl.store(out + stride_op + c, silu(tl.load(K + row * stride_kt + c, mask=ok)).to(dt), mask=ok)
-            tl.store(out + 2 * stride_op + c, silu(tl.load(V + row * stride_vt + c, mask=ok)).to(dt), mask=ok)
+            tl.store(out + c, silu(tl.load(Q + row * stride_qt + c, mask=ok), EXACT).to(dt), mask=ok)
+            tl.store(out + stride_op + c, silu(tl.load(K + row * stride_kt + c, mask=ok), EXACT).to(dt), mask=ok)
+            tl.store(out + 2 * stride_op + c, silu(tl.load(V + row * stride_vt + c, mask=ok), EXACT).to(dt), mask=ok)
     else:
         i = pid - n_rows
         row = tl.load(rows + i).to(tl.int64)
@@ -83,8 +83,8 @@ def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, 
         for c0 in range(0, WIDTH, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             ok = c < WIDTH
-            tl.store(KV + dst + c, silu(tl.load(K + row * stride_kt + c, mask=ok)).to(dt), mask=ok)
-            tl.store(KV + stride_pkv + dst + c, silu(tl.load(V + row * stride_vt + c, mask=ok)).to(dt), mask=ok)
+            tl.store(KV + dst + c, silu(tl.load(K + row * stride_kt + c, mask=ok), EXACT).to(dt), mask=ok)
+            tl.store(KV + stride_pkv + dst + c, silu(tl.load(V + row * stride_vt + c, mask=ok), EXACT).to(dt), mask=ok)
 
 
 def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -109,5 +109,6 @@ def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         _silu_append[(n + slots.numel(),)](q, k, v, out, kv_layer, rows, slots, n, layer_pages, q.stride(0),
                                            k.stride(0), v.stride(0), out.stride(0), out.stride(1), sp[0], sp[1], sp[2],
                                            PAGE_SIZE=kv_layer.shape[-3], WIDTH=width,
-                                           BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)
+                                           BLOCK=min(1024, triton.next_power_of_2(width)), EXACT=exact_silu(q),
+                                           num_warps=4)
     return out[:, 0], out[:, 1], out[:, 2]

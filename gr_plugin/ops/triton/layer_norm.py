@@ -13,8 +13,8 @@ norm-gate epilogue the split attention launch calls (`hstu_attention._launch`):
   row of fp32 parts differently from a row of 16-bit values (seen on the H200: at rows of 1024 a few
   outputs land one rounding step apart; rows of 512 and 256 gave equal bits, not a guarantee).
 - both gate forms take ``silu_u``: ``u`` is the layer's pre-SiLU projection, whose SiLU
-  (`gr_plugin.ops.triton.silu`, rounded to ``u``'s dtype as torch's SiLU rounds it) the pass
-  applies where it loads the row, so the cached step needs no SiLU pass of its own;
+  (`gr_plugin.ops.triton.silu`, torch's bits with `EXACT_SILU`, rounded to ``u``'s dtype as torch's
+  SiLU rounds it) the pass applies where it loads the row, so the cached step needs no SiLU pass of its own;
 - ``add_layer_norm``: the residual add ``y = x + o`` (rounded to the stream's dtype, as torch's add)
   and the next layer's input norm of ``y``, which then need not be read back.
 All three run under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gr_plugin.ops.triton import silu
+from gr_plugin.ops.triton import exact_silu, silu
 from gr_plugin.ops.triton.parts import sum_splits
 
 
@@ -42,22 +42,22 @@ def _layer_norm_row(x, ok, W, B, c, eps, N: tl.constexpr):
 
 
 @triton.jit
-def _gate_row(U, c, ok, SILU_U: tl.constexpr):
+def _gate_row(U, c, ok, SILU_U: tl.constexpr, EXACT: tl.constexpr):
     """The row of ``U`` at ``U + c`` in fp32, its SiLU (rounded to ``U``'s dtype) with ``SILU_U``."""
     u = tl.load(U + c, mask=ok, other=0.0)
     if SILU_U:
-        u = silu(u).to(U.dtype.element_ty)
+        u = silu(u, EXACT).to(U.dtype.element_ty)
     return u.to(tl.float32)
 
 
 @triton.jit
 def _ln_mul(A, U, W, B, Out, stride_a, stride_u, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-            SILU_U: tl.constexpr):
+            SILU_U: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
     a = tl.load(A + row * stride_a + c, mask=ok, other=0.0).to(tl.float32)
-    u = _gate_row(U + row * stride_u, c, ok, SILU_U)
+    u = _gate_row(U + row * stride_u, c, ok, SILU_U, EXACT)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
@@ -72,13 +72,14 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
         return out
     block = triton.next_power_of_2(n)
     _ln_mul[(m,)](a, u, weight, bias, out, a.stride(0), u.stride(0), out.stride(0), float(eps), N=n, BLOCK=block,
-                  SILU_U=bool(silu_u), num_warps=4 if block <= 1024 else 8)
+                  SILU_U=bool(silu_u), EXACT=exact_silu(u),
+                  num_warps=4 if block <= 1024 else 8)
     return out
 
 
 @triton.jit
 def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
-                BLOCK: tl.constexpr, SILU_U: tl.constexpr):
+                BLOCK: tl.constexpr, SILU_U: tl.constexpr, EXACT: tl.constexpr):
     """One row: the parts' sum in split order (`sum_splits`), rounded to ``Out``'s dtype, its norm
     times the row of ``U``."""
     row = tl.program_id(0).to(tl.int64)
@@ -88,7 +89,7 @@ def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, st
     live = ok & (row < tl.load(q_offsets + bsz).to(tl.int64))
     acc = sum_splits(Part + row * N + c, live, splits, n_part)
     a = acc.to(Out.dtype.element_ty).to(tl.float32)  # rounded as the attention's output is
-    u = _gate_row(U + row * stride_u, c, ok, SILU_U)
+    u = _gate_row(U + row * stride_u, c, ok, SILU_U, EXACT)
     y = _layer_norm_row(a, ok, W, B, c, eps, N) * u
     tl.store(Out + row * stride_o + c, y.to(Out.dtype.element_ty), mask=ok)
 
@@ -107,7 +108,7 @@ def sum_layer_norm_mul(parts: torch.Tensor, q_offsets: torch.Tensor, bsz: int, w
         return out
     block = triton.next_power_of_2(n)
     _sum_ln_mul[(m,)](parts, u, weight, bias, out, q_offsets, bsz, parts[0].numel(), splits, u.stride(0),
-                      out.stride(0), float(eps), N=n, BLOCK=block, SILU_U=bool(silu_u),
+                      out.stride(0), float(eps), N=n, BLOCK=block, SILU_U=bool(silu_u), EXACT=exact_silu(u),
                       num_warps=4 if block <= 1024 else 8)
     return out
 
