@@ -140,10 +140,9 @@ class Block:
         pairs = bs * (hist * (hist + 1) // 2 + cands * (hist + 1))
         return run, _flops(c, sum(lens), pairs)
 
-    def cached_fn(self, plan, bs: int, new: int, cands: int, silu_pass: bool = False):
+    def cached_fn(self, plan, bs: int, new: int, cands: int):
         """The cached step as the engine runs it (`HSTULayer.attend_pages` from the projection before
-        its SiLU); ``silu_pass``: with the projection's SiLU as a pass of its own (as before the
-        consumers took it), for side-by-side measurements."""
+        its SiLU), launched eagerly."""
         c = self.cfg
         meta = plan.metadata
         qlen = [new + cands] * bs
@@ -156,10 +155,10 @@ class Block:
         def run():
             y, normed = x, None
             for i, layer in enumerate(self.layers):
-                a = layer.attend_pages(layer.project(y, normed, activate=silu_pass), table[i], slots, rows,
+                a = layer.attend_pages(layer.project(y, normed, activate=False), table[i], slots, rows,
                                        meta.kv_indices, meta.kv_indptr, meta.total_lengths, q_off, meta.new_lengths,
                                        max_q_len=new + cands, max_history_len=meta.max_total_len,
-                                       num_history_tokens=meta.num_total_tokens, activated=silu_pass)
+                                       num_history_tokens=meta.num_total_tokens, activated=False)
                 y, normed = layer.finish_gated_and_norm(y, a, next_layer(self.layers, i))
             return y
 
@@ -183,7 +182,7 @@ class StaticStep:
 
     def __init__(self, blk: Block, plan, bs: int, new: int, cands: int, silu_pass: bool = False) -> None:
         self.blk = blk
-        self.silu_pass = silu_pass  # (as `Block.cached_fn`'s)
+        self.silu_pass = silu_pass  # the projection's SiLU as a pass of its own (the step before dc902f6)
         meta = plan.metadata
         self.size, self.num_new = plan.host_metadata.numel(), meta.num_new_tokens
         self.ints = torch.zeros(self.size + self.num_new, dtype=torch.int64, device=blk.device)

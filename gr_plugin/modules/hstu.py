@@ -129,7 +129,8 @@ class HSTULayer(nn.Module):
 
     def norm_gate(self, u: torch.Tensor) -> NormGate:
         """``LayerNorm(attn) * u`` as the epilogue a cached attention takes (`KVCacheModule.attend`'s
-        ``norm_gate``): its result goes to `finish_gated_and_norm`."""
+        ``norm_gate``): its result goes to `finish_gated_and_norm`. ``u`` before its SiLU (`project`
+        with ``activate=False``) goes with the attention's ``silu_gate=True`` (`attend_pages`)."""
         n = self.attn_norm
         return NormGate(n.weight, n.bias, n.eps, u)
 

@@ -68,6 +68,8 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     the norm's pass instead of writing the output and reading it back (one kernel fewer).
     ``silu_gate``: the gate's ``u`` is the layer's projection before its SiLU (`HSTULayer.project`
     with ``activate=False``), gated by ``F.silu(u)``: the norm's pass takes it as it loads ``u``."""
+    if silu_gate and norm_gate is None:
+        raise ValueError("silu_gate=True names the SiLU of norm_gate's u, and norm_gate is None")
     triton_attention = _use_triton(q, k, v, kv_layer)
     impl = _triton_ops() if triton_attention else _ref
     args = (q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_lengths)

@@ -78,13 +78,16 @@ def _projection(n=9, heads=2, dim=8, seed=3, dtype=torch.float32, device="cpu"):
     return tuple(t.reshape(n, heads, dim) for t in (q, k, v))
 
 
+@pytest.mark.parametrize("separate_v", [False, True], ids=["chunks", "v apart"])
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreter)])
-def test_silu_append_returns_and_writes_the_silu(kernel):
+def test_silu_append_returns_and_writes_the_silu(kernel, separate_v):
     """`silu_append_kv` returns ``F.silu`` of ``q, k, v`` and writes the new tokens' ``F.silu(k),
     F.silu(v)`` at their slots, the rest of the table untouched: the torch form (CPU) gives the bits
     of ``F.silu`` then `append_kv`; the kernel (interpreter) gives them to its SiLU's rounding."""
     heads, dim, page = 2, 8, 4
     q, k, v = _projection(heads=heads, dim=dim)
+    if separate_v:  # (its own row stride: each input's stride must be its own)
+        v = v.contiguous() + 0.5
     table = torch.randn(5, 2, page, heads, dim, generator=torch.Generator().manual_seed(4))
     rows, slots = torch.tensor([0, 4, 8]), torch.tensor([1, page + 2, 4 * page + 3])
     want_table = table.clone()
@@ -106,40 +109,65 @@ def test_silu_append_returns_and_writes_the_silu(kernel):
 
 
 @interpreter
-def test_silu_append_without_new_tokens_and_of_the_whole_table():
-    """No new token: only the activation; the whole-table form (``layer``) writes that layer's pages."""
+def test_silu_append_without_new_tokens():
+    """No new token: only the activation, the table untouched."""
     q, k, v = _projection(n=5)
-    table = torch.zeros(2, 3, 2, 4, 2, 8)
-    got = tri_silu_append(table[0], q, k, v, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-    torch.testing.assert_close(got[0], F.silu(q), rtol=1e-6, atol=1e-6)
+    table = torch.zeros(3, 2, 4, 2, 8)
+    none = torch.zeros(0, dtype=torch.int64)
+    got = tri_silu_append(table, q, k, v, none, none)
+    for a, b in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, F.silu(b), rtol=1e-6, atol=1e-6)
     assert not table.any()
-    tri_silu_append(table, q, k, v, torch.tensor([5]), torch.tensor([2]), layer=1)
-    torch.testing.assert_close(table[1, 1, 0, 1], F.silu(k[2]), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(table[1, 1, 1, 1], F.silu(v[2]), rtol=1e-6, atol=1e-6)
-    assert not table[0].any() and int((table[1] != 0).sum()) == 2 * 2 * 8
 
 
-@pytest.mark.parametrize(("bad", "match"), [
-    (lambda q, k, v, t: (q, k[:-1], v, t), r"^k must be \(9, 2, 8\) torch.float32 with contiguous \[H, D\] rows, got "
-                                            r"\(8, 2, 8\)"),
-    (lambda q, k, v, t: (q, k, v.half(), t), r"^v must be \(9, 2, 8\) torch.float32 .* got \(9, 2, 8\) torch.float16"),
-    (lambda q, k, v, t: (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, t),
-     r"^q must be .* strides \(16, 1, 2\)"),
-    (lambda q, k, v, t: (q, k, v, t[..., :4]), r"^kv_layer must hold \[2, 8\] rows, contiguous, got shape "
-                                               r"\(5, 2, 4, 2, 4\)"),
-])
-def test_silu_append_names_bad_inputs_and_writes_nothing(bad, match):
-    """The kernel's form checks its tensors before it launches (run here in the interpreter's place:
-    the checks come first)."""
+def _bad_cases():
+    def ints(*v):
+        return lambda _: torch.tensor(v, dtype=torch.int64)
+
+    return [  # (what to change, the error's first line)
+        (dict(k=lambda k: k[:-1]),
+         r"^k must be \(9, 2, 8\) torch.float32 on cpu with contiguous \[H, D\] rows, got \(8, 2, 8\)"),
+        (dict(v=lambda v: v.half()), r"^v must be \(9, 2, 8\) torch.float32 on cpu .* got \(9, 2, 8\) torch.float16"),
+        (dict(q=lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)), r"^q must be .* strides \(16, 1, 2\)"),
+        (dict(q=lambda q: q[0]), r"^q must be \[N, H, D\], got \(2, 8\)"),
+        (dict(table=lambda t: t[..., :4]),
+         r"^kv_layer must hold \[2, 8\] rows \(q's\), contiguous, got shape \(5, 2, 4, 2, 4\)"),
+        (dict(table=lambda t: t[None]), r"^kv_layer must be \[num_pages, 2, P, H, D\], got \(1, 5, 2, 4, 2, 8\)"),
+        (dict(slots=lambda s: s.int()), r"^slots must be 1-D int64 on cpu, got \(1,\) torch.int32 on cpu"),
+        (dict(rows=ints(0, 1)), r"^rows and slots must name one new token each, got 2 and 1"),
+        (dict(slots=ints(20)), r"^slots must lie in \[0, 20\) \(the table's\), got 20 to 20"),
+        (dict(slots=ints(-1)), r"^slots must lie in \[0, 20\) \(the table's\), got -1 to -1"),
+        (dict(rows=ints(9)), r"^rows must lie in \[0, 9\) \(q's rows\), got 9 to 9"),
+    ]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["dispatch", "triton form"])
+@pytest.mark.parametrize(("change", "match"), _bad_cases())
+def test_silu_append_names_bad_inputs_and_writes_nothing(kernel, change, match):
+    """Both forms check every input before they write (the Triton form's checks run before its
+    launch, so it raises on CPU tensors without the interpreter too)."""
     q, k, v = _projection()
     table = torch.zeros(5, 2, 4, 2, 8)
-    q, k, v, t = bad(q, k, v, table)
+    args = dict(table=table, q=q, k=k, v=v, slots=torch.tensor([1]), rows=torch.tensor([0]))
+    for name, fn in change.items():
+        args[name] = fn(args[name])
     with pytest.raises(ValueError, match=match):
-        tri_silu_append(t, q, k, v, torch.tensor([1]), torch.tensor([0]))
+        (tri_silu_append if kernel else ops.silu_append_kv)(args["table"], args["q"], args["k"], args["v"],
+                                                             args["slots"], args["rows"])
     assert not table.any()
-    with pytest.raises(ValueError, match=r"^rows and slots must name one new token each, got 2 and 1"):
-        tri_silu_append(table, *_projection(), torch.tensor([1]), torch.tensor([0, 1]))
-    assert not table.any()
+
+
+def test_silu_append_keeps_the_gradient():
+    """With a gradient wanted the torch form serves (the kernel has none): the returned ``q, k, v``
+    carry SiLU's gradient; the pages take detached values."""
+    q, k, v = (t.detach().requires_grad_() for t in _projection())
+    table = torch.zeros(5, 2, 4, 2, 8)
+    aq, ak, av = ops.silu_append_kv(table, q, k, v, torch.tensor([1]), torch.tensor([0]))
+    (aq.sum() + ak.sum() + av.sum()).backward()
+    for t in (q, k, v):
+        x = t.detach()
+        torch.testing.assert_close(t.grad, torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))))
+    assert not table.requires_grad and torch.equal(table[0, 0, 1], F.silu(k[0]).detach())
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=interpreter)])

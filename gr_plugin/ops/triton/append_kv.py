@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.append_kv import check_silu_append
 from gr_plugin.ops.triton import exact_silu, silu, table_layout
 
 
@@ -88,22 +89,15 @@ def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, 
 
 
 def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                   rows: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``SiLU`` of ``q, k, v [N, H, D]`` (contiguous ``[H, D]`` rows, one dtype, the table's), returned as
-    views of one new ``[N, 3, H, D]`` buffer, and ``kv_layer[slot_i] = (SiLU(k[rows_i]), SiLU(v[rows_i]))``,
-    in one launch; ``layer`` as `append_kv`'s."""
+                   rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``SiLU`` of ``q, k, v [N, H, D]``, returned as views of one new ``[N, 3, H, D]`` buffer, and
+    ``kv_layer[slot_i] = (SiLU(k[rows_i]), SiLU(v[rows_i]))``, in one launch; the inputs as
+    `gr_plugin.ops.append_kv.check_silu_append` takes them, checked first (on the GPU it cannot see
+    the slots' and rows' values without a sync: they must lie in the table and in ``[0, N)``)."""
+    check_silu_append(kv_layer, q, k, v, slots, rows)
     n, heads, dim = q.shape
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape != q.shape or t.dtype != kv_layer.dtype or t.stride(-1) != 1 or t.stride(-2) != dim:
-            raise ValueError(f"{name} must be {tuple(q.shape)} {kv_layer.dtype} with contiguous [H, D] rows, got "
-                             f"{tuple(t.shape)} {t.dtype}, strides {t.stride()}")
-    if kv_layer.shape[-2:] != (heads, dim) or kv_layer.stride(-1) != 1 or kv_layer.stride(-2) != dim:
-        raise ValueError(f"kv_layer must hold [{heads}, {dim}] rows, contiguous, got shape {tuple(kv_layer.shape)} "
-                         f"and strides {kv_layer.stride()}")
-    if rows.numel() != slots.numel():
-        raise ValueError(f"rows and slots must name one new token each, got {rows.numel()} and {slots.numel()}")
     out = torch.empty((n, 3, heads, dim), dtype=q.dtype, device=q.device)
-    layer_pages, sp = table_layout(kv_layer, layer)
+    layer_pages, sp = table_layout(kv_layer, None)
     width = heads * dim
     if n + slots.numel():
         _silu_append[(n + slots.numel(),)](q, k, v, out, kv_layer, rows, slots, n, layer_pages, q.stride(0),

@@ -734,6 +734,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
     if norm_gate is not None:
         _check_norm_gate(norm_gate, q)
+    elif silu_gate:
+        raise ValueError("silu_gate=True names the SiLU of norm_gate's u, and norm_gate is None")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")

@@ -81,7 +81,7 @@ def layer_norm_mul(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
 def _sum_ln_mul(Part, U, W, B, Out, q_offsets, bsz, n_part, splits, stride_u, stride_o, eps, N: tl.constexpr,
                 BLOCK: tl.constexpr, SILU_U: tl.constexpr, EXACT: tl.constexpr):
     """One row: the parts' sum in split order (`sum_splits`), rounded to ``Out``'s dtype, its norm
-    times the row of ``U``."""
+    times the row of ``U`` (its SiLU with ``SILU_U``, `_gate_row`)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < N
