@@ -51,7 +51,7 @@ def tma_covers_rows(t: torch.Tensor) -> bool:
 # GR_PLUGIN_EXACT_SILU=1: the kernels that take a layer's projection before its SiLU (`silu`) use torch's
 # formula with libdevice's exp and a correctly rounded division (torch's bits) instead of the approximate
 # ones. NOTE: off by default. Measured on the H200 (docs/BENCHMARKS.md, scripts/gpu/tune_silu_append.py):
-# the exact form cost 0.7-3.6 us a layer more, and the approximate one gave torch's bits in every case there.
+# the exact form cost 0.3-3.6 us a layer more, and the approximate one gave torch's bits in every case there.
 EXACT_SILU = os.environ.get("GR_PLUGIN_EXACT_SILU", "0") == "1"
 
 
