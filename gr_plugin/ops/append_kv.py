@@ -65,7 +65,6 @@ def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     is written). The Triton kernel for CUDA tables (one launch; torch's bits with
     ``gr_plugin.ops.triton.EXACT_SILU``, else its approximate SiLU), else the torch ops, which also
     serve a gradient (the kernel has none)."""
-    check_silu_append(kv_layer, q, k, v, slots, rows)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if kv_layer.is_cuda and not needs_grad:
         try:
@@ -73,7 +72,8 @@ def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         except ImportError:
             tri = None
         if tri is not None:
-            return tri(kv_layer, q, k, v, slots, rows)
+            return tri(kv_layer, q, k, v, slots, rows)  # (which runs `check_silu_append` first)
+    check_silu_append(kv_layer, q, k, v, slots, rows)
     q, k, v = F.silu(q), F.silu(k), F.silu(v)
     paged_ops.append_kv(kv_layer, k.detach(), v.detach(), slots, rows)
     return q, k, v
