@@ -22,17 +22,31 @@ from gr_plugin.ops.triton import exact_silu, silu, table_layout
 
 
 @triton.jit
-def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
-            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+def _put_token(K, V, KV, rows, slots, i, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
+               PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, ACTIVATE: tl.constexpr,
+               EXACT: tl.constexpr):
+    """Token ``i``: row ``rows[i]`` of ``K``/``V`` into slot ``slots[i]`` of the table ``KV`` (with
+    ``ACTIVATE``, their `silu` in the table's dtype)."""
     row = tl.load(rows + i).to(tl.int64)
     slot = tl.load(slots + i).to(tl.int64)
     dst = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
     for c0 in range(0, WIDTH, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         ok = c < WIDTH
-        tl.store(KV + dst + c, tl.load(K + row * stride_kt + c, mask=ok), mask=ok)
-        tl.store(KV + stride_pkv + dst + c, tl.load(V + row * stride_vt + c, mask=ok), mask=ok)
+        k = tl.load(K + row * stride_kt + c, mask=ok)
+        v = tl.load(V + row * stride_vt + c, mask=ok)
+        if ACTIVATE:
+            k = silu(k, EXACT).to(KV.dtype.element_ty)
+            v = silu(v, EXACT).to(KV.dtype.element_ty)
+        tl.store(KV + dst + c, k, mask=ok)
+        tl.store(KV + stride_pkv + dst + c, v, mask=ok)
+
+
+@triton.jit
+def _append(K, V, KV, rows, slots, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv, stride_pt,
+            PAGE_SIZE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    _put_token(K, V, KV, rows, slots, tl.program_id(0), layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv,
+               stride_pt, PAGE_SIZE, WIDTH, BLOCK, False, False)
 
 
 def append_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -77,15 +91,8 @@ def _silu_append(Q, K, V, Out, KV, rows, slots, n_rows, layer_pages, stride_qt, 
             tl.store(out + stride_op + c, silu(tl.load(K + row * stride_kt + c, mask=ok), EXACT).to(dt), mask=ok)
             tl.store(out + 2 * stride_op + c, silu(tl.load(V + row * stride_vt + c, mask=ok), EXACT).to(dt), mask=ok)
     else:
-        i = pid - n_rows
-        row = tl.load(rows + i).to(tl.int64)
-        slot = tl.load(slots + i).to(tl.int64)
-        dst = (slot // PAGE_SIZE + layer_pages) * stride_pp + (slot % PAGE_SIZE) * stride_pt
-        for c0 in range(0, WIDTH, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            ok = c < WIDTH
-            tl.store(KV + dst + c, silu(tl.load(K + row * stride_kt + c, mask=ok), EXACT).to(dt), mask=ok)
-            tl.store(KV + stride_pkv + dst + c, silu(tl.load(V + row * stride_vt + c, mask=ok), EXACT).to(dt), mask=ok)
+        _put_token(K, V, KV, rows, slots, pid - n_rows, layer_pages, stride_kt, stride_vt, stride_pp, stride_pkv,
+                   stride_pt, PAGE_SIZE, WIDTH, BLOCK, True, EXACT)
 
 
 def silu_append_kv(kv_layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
