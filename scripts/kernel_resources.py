@@ -178,14 +178,16 @@ def main() -> None:
     for dim, page, bs in (tuple(int(x) for x in c.split(",")) for c in a.cases):
         for graphed in ((True,) if extra.get("kernel") == "gluon" else (False, True)):  # (Gluon: graphed only)
             fn, (args, kwargs) = captured_launch(mod, dim, page, bs, graphed, extra)
-            regs, stack = resources(compile_for_h200(fn, args, kwargs))
+            kernel = compile_for_h200(fn, args, kwargs)
+            regs, stack = resources(kernel)
             tiles = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps"),
                      kwargs.get("num_stages", kwargs.get("STAGES")))
             splits = args[fn.arg_names.index("splits")] if "splits" in fn.arg_names else "?"
             form = ("graphed, Gluon" if fn.is_gluon() else "graphed, TMA" if kwargs.get("TMA") else "graphed") \
                 if graphed else "eager"
             print(f"head_dim {dim} page {page} bs {bs} {form}: tiles {tiles} splits {splits}: "
-                  f"{regs} registers, {stack} bytes of local memory", flush=True)
+                  f"{regs} registers, {stack} bytes of local memory, {kernel.metadata.shared} bytes of shared memory",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -49,16 +49,23 @@ def _silu(s, alpha):
 
 
 @gluon.jit
-def _issue(KD, VD, kv_indices, page_base, layer_pages, n0, col, rows_pp, v_rows, key_row0, bar, k_dst, v_dst,
-           PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
-    """TMA loads of the key and value block at history position ``n0`` into ``k_dst`` / ``v_dst``,
-    completing on ``bar``: paged, one page of the table (``KD`` = ``VD``, values ``v_rows`` rows after
-    the keys); else rows ``key_row0 + n0`` of the keys ``KD`` and values ``VD`` themselves."""
+def _key_row(kv_indices, page_base, layer_pages, n0, rows_pp, key_row0, PAGE_SIZE: gl.constexpr,
+             PAGED: gl.constexpr):
+    """The descriptor row of the key block at history position ``n0``: paged, its page's row in the
+    table seen as rows of ``H * D`` (a load of the page's index); else row ``key_row0 + n0``."""
     if PAGED:
         page = gl.load(kv_indices + page_base + n0 // PAGE_SIZE).to(gl.int64) + layer_pages
         row = (page * rows_pp + n0 % PAGE_SIZE).to(gl.int32)
     else:
         row = key_row0 + n0
+    return row
+
+
+@gluon.jit
+def _issue(KD, VD, row, col, v_rows, bar, k_dst, v_dst):
+    """TMA loads of the key and value block at descriptor row ``row`` (`_key_row`) into ``k_dst`` /
+    ``v_dst``, completing on ``bar``: paged, ``KD`` = ``VD`` (the values ``v_rows`` rows after the
+    keys); else the keys ``KD`` and values ``VD`` themselves (``v_rows`` 0)."""
     mbarrier.expect(bar, 2 * KD.block_type.nbytes)
     tma.async_copy_global_to_shared(KD, [row, col], bar, k_dst)
     tma.async_copy_global_to_shared(VD, [row + v_rows, col], bar, v_dst)
@@ -70,7 +77,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               num_warps: gl.constexpr):
+               PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -135,8 +142,8 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     key_row0 = q_start.to(gl.int32)
     for i in gl.static_range(STAGES):
         if i < n_full:
-            _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, col, rows_pp, v_rows, key_row0,
-                   bars.index(i), k_bufs.index(i), v_bufs.index(i), PAGE_SIZE, PAGED)
+            row = _key_row(kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, rows_pp, key_row0, PAGE_SIZE, PAGED)
+            _issue(KD, VD, row, col, v_rows, bars.index(i), k_bufs.index(i), v_bufs.index(i))
 
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -146,6 +153,9 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
         p = gl.convert_layout(_silu(s, alpha).to(dt), p_layout)
         for j in range(0, n_full - 1):
             st = (j + 1) % STAGES
+            if PREFETCH:  # the refill's page index loaded now, its latency under this block's MMAs
+                row = _key_row(kv_indices, page_base, layer_pages, kv_lo + gl.minimum(j + STAGES, n_full - 1) * BLOCK_N,
+                               rows_pp, key_row0, PAGE_SIZE, PAGED)
             mbarrier.wait(bars.index(st), ((j + 1) // STAGES) & 1)
             # the next block's q k^T, then this block's p v; the SiLU of the next runs during the p v
             s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -155,9 +165,11 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             if j + STAGES < n_full:
                 gl.thread_barrier()  # every warpgroup is done with the stage before TMA overwrites it
-                _issue(KD, VD, kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, col, rows_pp,
-                       v_rows, key_row0, bars.index(j % STAGES), k_bufs.index(j % STAGES), v_bufs.index(j % STAGES),
-                       PAGE_SIZE, PAGED)
+                if not PREFETCH:
+                    row = _key_row(kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, rows_pp,
+                                   key_row0, PAGE_SIZE, PAGED)
+                _issue(KD, VD, row, col, v_rows, bars.index(j % STAGES), k_bufs.index(j % STAGES),
+                       v_bufs.index(j % STAGES))
         acc = warpgroup_mma(p, v_bufs.index((n_full - 1) % STAGES), acc)
 
     # masked blocks (the causal edge, a partial last page): pointer loads with zeros past kv_hi
@@ -227,6 +239,9 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     gl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=(rows_o < q_len)[:, None])
 
 
+PREFETCH = True  # (experiment: the refill's page index loaded a block ahead; False: as the refill is issued)
+
+
 def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
     """A TMA descriptor over ``[T, H, D]`` keys or values seen as ``T`` rows of ``H * D`` (`tma_covers_rows`)."""
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, t.shape[2]], layout)
@@ -252,7 +267,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), PREFETCH=PREFETCH, num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
