@@ -77,7 +77,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+               DEFER: gl.constexpr, num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -153,23 +153,32 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
         p = gl.convert_layout(_silu(s, alpha).to(dt), p_layout)
         for j in range(0, n_full - 1):
             st = (j + 1) % STAGES
-            if PREFETCH:  # the refill's page index loaded now, its latency under this block's MMAs
-                row = _key_row(kv_indices, page_base, layer_pages, kv_lo + gl.minimum(j + STAGES, n_full - 1) * BLOCK_N,
-                               rows_pp, key_row0, PAGE_SIZE, PAGED)
+            # the refill's block: the stage that frees this iteration (DEFER: block j - 1's, freed by the
+            # wait on this block's q k^T; else block j's, after its p v); its page index is loaded now,
+            # its latency under the MMAs
+            refill = j - 1 + STAGES if DEFER else j + STAGES
+            row = _key_row(kv_indices, page_base, layer_pages, kv_lo + gl.minimum(refill, n_full - 1) * BLOCK_N,
+                           rows_pp, key_row0, PAGE_SIZE, PAGED)
             mbarrier.wait(bars.index(st), ((j + 1) // STAGES) & 1)
             # the next block's q k^T, then this block's p v; the SiLU of the next runs during the p v
             s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_bufs.index(j % STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s, ))
+            if DEFER:  # this p v stays in flight into the next iteration (only the next p v reads its
+                # accumulator); block j - 1's p v is done
+                s, acc = warpgroup_mma_wait(1, deps=(s, acc))
+                if (j >= 1) & (refill < n_full):
+                    gl.thread_barrier()  # every warp is done with the stage before TMA overwrites it
+                    _issue(KD, VD, row, col, v_rows, bars.index(refill % STAGES), k_bufs.index(refill % STAGES),
+                           v_bufs.index(refill % STAGES))
+            else:
+                s = warpgroup_mma_wait(1, deps=(s, ))
             p = gl.convert_layout(_silu(s, alpha).to(dt), p_layout)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            if j + STAGES < n_full:
-                gl.thread_barrier()  # every warpgroup is done with the stage before TMA overwrites it
-                if not PREFETCH:
-                    row = _key_row(kv_indices, page_base, layer_pages, kv_lo + (j + STAGES) * BLOCK_N, rows_pp,
-                                   key_row0, PAGE_SIZE, PAGED)
-                _issue(KD, VD, row, col, v_rows, bars.index(j % STAGES), k_bufs.index(j % STAGES),
-                       v_bufs.index(j % STAGES))
+            if not DEFER:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                if refill < n_full:
+                    gl.thread_barrier()  # every warp is done with the stage before TMA overwrites it
+                    _issue(KD, VD, row, col, v_rows, bars.index(refill % STAGES), k_bufs.index(refill % STAGES),
+                           v_bufs.index(refill % STAGES))
         acc = warpgroup_mma(p, v_bufs.index((n_full - 1) % STAGES), acc)
 
     # masked blocks (the causal edge, a partial last page): pointer loads with zeros past kv_hi
@@ -239,7 +248,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     gl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=(rows_o < q_len)[:, None])
 
 
-PREFETCH = True  # (experiment: the refill's page index loaded a block ahead; False: as the refill is issued)
+DEFER = True  # (experiment: each block's p v left in flight into the next iteration; False: waited for in its own)
 
 
 def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
@@ -267,7 +276,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), PREFETCH=PREFETCH, num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), DEFER=DEFER, num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
