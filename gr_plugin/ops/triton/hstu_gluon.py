@@ -72,12 +72,45 @@ def _issue(KD, VD, row, col, v_rows, bar, k_dst, v_dst):
 
 
 @gluon.jit
+def _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr):
+    """A candidate's weight on its own key: ``SiLU(alpha q.k)`` rounded as a block's weights are (0 for
+    the tile's other rows), in the accumulator's row layout; ``q.k`` in column chunks of 64 (what
+    registers hold beside the accumulator)."""
+    CH: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM
+    ch_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [num_warps, 1], [1, 0])
+    rows_c = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))
+    d_c = gl.arange(0, CH, layout=gl.SliceLayout(0, ch_layout))
+    cand_c = (rows_c < q_len) & (rows_c >= new)
+    k_rows = (q_start + rows_c) * stride_kt + h * stride_kh
+    w = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, ch_layout))
+    for c in gl.static_range(HEAD_DIM // CH):
+        qc = q_smem.slice(c * CH, CH, dim=1).load(ch_layout)
+        kc = gl.load(K + k_rows[:, None] + c * CH + d_c[None, :], mask=cand_c[:, None], other=0.0)
+        w += gl.sum(qc.to(gl.float32) * kc.to(gl.float32), axis=1)
+    w = gl.where(cand_c, _silu(w, alpha).to(Q.dtype.element_ty).to(gl.float32), 0.0)
+    return gl.convert_layout(w, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _add_self(V, acc, w_o, q_start, m0, q_len, new, h, stride_vt, stride_vh, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, o_layout: gl.constexpr):
+    """``acc`` plus each candidate's own value times its weight ``w_o`` (`_self_weight`)."""
+    rows_v = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    d_v = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    cand_v = (rows_v < q_len) & (rows_v >= new)
+    vo = gl.load(V + ((q_start + rows_v) * stride_vt + h * stride_vh)[:, None] + d_v[None, :],
+                 mask=cand_v[:, None], other=0.0)
+    return acc + w_o[:, None] * vo.to(gl.float32)
+
+
+@gluon.jit
 def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_offsets, hist_lens, new_lens, splits,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_os, stride_ot, stride_oh,
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               DEFER: gl.constexpr, num_warps: gl.constexpr):
+               SELF_EARLY: gl.constexpr, num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -145,6 +178,13 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             row = _key_row(kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, rows_pp, key_row0, PAGE_SIZE, PAGED)
             _issue(KD, VD, row, col, v_rows, bars.index(i), k_bufs.index(i), v_bufs.index(i))
 
+    # a candidate also sees itself, added by the tile's first split: its own weight (`_self_weight`),
+    # with SELF_EARLY taken here, its key's load under the first blocks' TMA, times its own value
+    if SELF_EARLY:
+        w_o = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, o_layout))
+        if (split == 0) & (last >= new):
+            w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM,
+                               BLOCK_M, o_layout, num_warps)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if n_full > 0:
@@ -153,32 +193,21 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
         p = gl.convert_layout(_silu(s, alpha).to(dt), p_layout)
         for j in range(0, n_full - 1):
             st = (j + 1) % STAGES
-            # the refill's block: the stage that frees this iteration (DEFER: block j - 1's, freed by the
-            # wait on this block's q k^T; else block j's, after its p v); its page index is loaded now,
-            # its latency under the MMAs
-            refill = j - 1 + STAGES if DEFER else j + STAGES
-            row = _key_row(kv_indices, page_base, layer_pages, kv_lo + gl.minimum(refill, n_full - 1) * BLOCK_N,
+            # the refill's page index loaded now, its latency under this block's MMAs (NOTE: on the H200,
+            # docs/BENCHMARKS.md: 6% off the launch at head_dim 256 / bs 8, 4% at 128 / bs 8, same bits)
+            row = _key_row(kv_indices, page_base, layer_pages, kv_lo + gl.minimum(j + STAGES, n_full - 1) * BLOCK_N,
                            rows_pp, key_row0, PAGE_SIZE, PAGED)
             mbarrier.wait(bars.index(st), ((j + 1) // STAGES) & 1)
             # the next block's q k^T, then this block's p v; the SiLU of the next runs during the p v
             s = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_bufs.index(j % STAGES), acc, is_async=True)
-            if DEFER:  # this p v stays in flight into the next iteration (only the next p v reads its
-                # accumulator); block j - 1's p v is done
-                s, acc = warpgroup_mma_wait(1, deps=(s, acc))
-                if (j >= 1) & (refill < n_full):
-                    gl.thread_barrier()  # every warp is done with the stage before TMA overwrites it
-                    _issue(KD, VD, row, col, v_rows, bars.index(refill % STAGES), k_bufs.index(refill % STAGES),
-                           v_bufs.index(refill % STAGES))
-            else:
-                s = warpgroup_mma_wait(1, deps=(s, ))
+            s = warpgroup_mma_wait(1, deps=(s, ))
             p = gl.convert_layout(_silu(s, alpha).to(dt), p_layout)
-            if not DEFER:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                if refill < n_full:
-                    gl.thread_barrier()  # every warp is done with the stage before TMA overwrites it
-                    _issue(KD, VD, row, col, v_rows, bars.index(refill % STAGES), k_bufs.index(refill % STAGES),
-                           v_bufs.index(refill % STAGES))
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if j + STAGES < n_full:
+                gl.thread_barrier()  # every warp is done with the stage before TMA overwrites it
+                _issue(KD, VD, row, col, v_rows, bars.index(j % STAGES), k_bufs.index(j % STAGES),
+                       v_bufs.index(j % STAGES))
         acc = warpgroup_mma(p, v_bufs.index((n_full - 1) % STAGES), acc)
 
     # masked blocks (the causal edge, a partial last page): pointer loads with zeros past kv_hi
@@ -214,30 +243,11 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             p = gl.where(allowed, _silu(s, alpha), 0.0)
             acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), vm, acc)
 
-    # a candidate also sees itself, added by the tile's first split: its diagonal weight, rounded as a
-    # block's weights are, times its own value
     if (split == 0) & (last >= new):
-        # q.k per row in column chunks of 64 (what registers hold beside the accumulator), then the
-        # weighted value added in the accumulator's own layout
-        CH: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM
-        ch_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [num_warps, 1], [1, 0])
-        rows_c = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ch_layout))
-        d_c = gl.arange(0, CH, layout=gl.SliceLayout(0, ch_layout))
-        cand_c = (rows_c < q_len) & (rows_c >= new)
-        k_rows = (q_start + rows_c) * stride_kt + h * stride_kh
-        w = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, ch_layout))
-        for c in gl.static_range(HEAD_DIM // CH):
-            qc = q_smem.slice(c * CH, CH, dim=1).load(ch_layout)
-            kc = gl.load(K + k_rows[:, None] + c * CH + d_c[None, :], mask=cand_c[:, None], other=0.0)
-            w += gl.sum(qc.to(gl.float32) * kc.to(gl.float32), axis=1)
-        w = gl.where(cand_c, _silu(w, alpha).to(dt).to(gl.float32), 0.0)
-        w_o = gl.convert_layout(w, gl.SliceLayout(1, o_layout))
-        rows_v = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        d_v = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        cand_v = (rows_v < q_len) & (rows_v >= new)
-        vo = gl.load(V + ((q_start + rows_v) * stride_vt + h * stride_vh)[:, None] + d_v[None, :],
-                     mask=cand_v[:, None], other=0.0)
-        acc = acc + w_o[:, None] * vo.to(gl.float32)
+        if not SELF_EARLY:
+            w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM,
+                               BLOCK_M, o_layout, num_warps)
+        acc = _add_self(V, acc, w_o, q_start, m0, q_len, new, h, stride_vt, stride_vh, HEAD_DIM, BLOCK_M, o_layout)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -248,7 +258,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     gl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=(rows_o < q_len)[:, None])
 
 
-DEFER = True  # (experiment: each block's p v left in flight into the next iteration; False: waited for in its own)
+SELF_EARLY = False  # (experiment: a candidate's own key weight taken before the key loop; False: after it)
 
 
 def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
@@ -276,7 +286,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), DEFER=DEFER, num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), SELF_EARLY=SELF_EARLY, num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
