@@ -110,7 +110,7 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
                stride_pp, stride_pkv, stride_pt, stride_ph, alpha, inv_norm,
                PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HEAVY_FIRST: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TC: gl.constexpr,
-               SELF_EARLY: gl.constexpr, num_warps: gl.constexpr):
+               num_warps: gl.constexpr):
     dt: gl.constexpr = Q.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -178,13 +178,6 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             row = _key_row(kv_indices, page_base, layer_pages, kv_lo + i * BLOCK_N, rows_pp, key_row0, PAGE_SIZE, PAGED)
             _issue(KD, VD, row, col, v_rows, bars.index(i), k_bufs.index(i), v_bufs.index(i))
 
-    # a candidate also sees itself, added by the tile's first split: its own weight (`_self_weight`),
-    # with SELF_EARLY taken here, its key's load under the first blocks' TMA, times its own value
-    if SELF_EARLY:
-        w_o = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, o_layout))
-        if (split == 0) & (last >= new):
-            w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM,
-                               BLOCK_M, o_layout, num_warps)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if n_full > 0:
@@ -243,10 +236,12 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             p = gl.where(allowed, _silu(s, alpha), 0.0)
             acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), vm, acc)
 
+    # a candidate also sees itself, added by the tile's first split: its own weight times its own value
+    # (NOTE: the weight taken before the key loop, its key's load under the first blocks' TMA, measured
+    # on the H200 within 1-2% either way, slower at head_dim 128 / bs 1: docs/BENCHMARKS.md)
     if (split == 0) & (last >= new):
-        if not SELF_EARLY:
-            w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM,
-                               BLOCK_M, o_layout, num_warps)
+        w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM, BLOCK_M,
+                           o_layout, num_warps)
         acc = _add_self(V, acc, w_o, q_start, m0, q_len, new, h, stride_vt, stride_vh, HEAD_DIM, BLOCK_M, o_layout)
 
     for i in gl.static_range(STAGES):
@@ -256,9 +251,6 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
     out_rows = q_start + rows_o
     out_ptrs = Out + split.to(gl.int64) * stride_os + out_rows[:, None] * stride_ot + h * stride_oh + d_o[None, :]
     gl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=(rows_o < q_len)[:, None])
-
-
-SELF_EARLY = False  # (experiment: a candidate's own key weight taken before the key loop; False: after it)
 
 
 def _rows(t: torch.Tensor, block_n: int, layout) -> TensorDescriptor:
@@ -286,7 +278,7 @@ def launch(grid, q, k, v, target, kv, kv_indices, kv_indptr, layer_pages, q_offs
         target.stride(-3), target.stride(-2), *strides, float(alpha), float(inv_norm),
         PAGE_SIZE=kv.shape[-3] if paged else block_n, PAGED=paged,
         HEAVY_FIRST=not paged if heavy_first is None else bool(heavy_first), HEAD_DIM=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), SELF_EARLY=SELF_EARLY, num_warps=warps)
+        BLOCK_N=block_n, STAGES=stages, TC=min(32, dim // 8), num_warps=warps)
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor | None, blocks, k: torch.Tensor | None = None,
