@@ -444,6 +444,18 @@ class KVCacheManager:
                rows: torch.Tensor | None = None) -> None:
         """Write the new tokens' K and V of ``layer`` into the plan's pages: ``k``/``v`` are
         ``[N, H, D]``, or ``[M, H, D]`` with ``rows [N]`` naming each new token's row."""
+        self.check_append(layer, k, v, plan, rows)
+        meta = plan.metadata
+        if rows is None:
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots)
+        else:
+            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, rows)
+
+    def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan,
+                     rows: torch.Tensor | None = None) -> None:
+        """`append`'s checks without the write: the plan in flight, the layer in range, ``k``/``v``
+        of the table's dtype and device in `append`'s shapes. For a caller that writes the plan's
+        slots (``plan.metadata.new_token_slots``) itself, in a pass of its own."""
         self._check_live(plan)
         cfg, meta = self.config, plan.metadata
         if not 0 <= layer < cfg.num_layers:
@@ -458,10 +470,6 @@ class KVCacheManager:
                 raise ValueError(f"{name} must be {self.kv_table.dtype}, got {t.dtype}")
             if t.device != self.kv_table.device:
                 raise ValueError(f"{name} must be on {self.kv_table.device}, got {t.device}")
-        if rows is None:
-            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots)
-        else:
-            self.append_fn(self.kv_table[layer], k, v, meta.new_token_slots, rows)
 
     # ------------------------------------------------------------------ commit / abort
     def _check_live(self, plan: BatchPlan) -> None:

@@ -278,9 +278,9 @@ class HSTURanker(nn.Module):
             )
         x, normed = self._embed(layout), None
         for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x, normed)
+            u, q, k, v = layer.project(x, normed, activate=False)
             gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
-                                 norm_gate=layer.norm_gate(u))
+                                 norm_gate=layer.norm_gate(u), activated=False)
             x, normed = layer.finish_gated_and_norm(x, gated, next_layer(self.layers, i))
         return self._head(x, layout)
 

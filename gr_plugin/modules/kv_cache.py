@@ -28,7 +28,7 @@ from gr_plugin.cache import (
 )
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.modules.tokens import TokenLayout
-from gr_plugin.ops import append_kv, paged_hstu_attention
+from gr_plugin.ops import append_kv, paged_hstu_attention, silu_append_kv
 from gr_plugin.ops.norm import NormGate
 
 BACKENDS = ("gpu", "native", "flexkv")
@@ -101,17 +101,29 @@ class KVCacheModule(nn.Module):
 
     # ------------------------------------------------------------------ one layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
-                plan: BatchPlan, *, alpha: float, n_norm: float, norm_gate: NormGate | None = None) -> torch.Tensor:
+                plan: BatchPlan, *, alpha: float, n_norm: float, norm_gate: NormGate | None = None,
+                activated: bool = True) -> torch.Tensor:
         """Cached attention of ``layer``: ``q, k, v [Nq, H, D]`` in ``layout``'s query order
         (per user: new history events, then candidates) -> ``[Nq, H, D]``; with ``norm_gate``
-        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``."""
+        (`gr_plugin.ops.norm.NormGate`), ``LayerNorm(out.flatten(1)) * u`` ``[Nq, H*D]``.
+        ``activated=False``: ``q, k, v`` and the gate's ``u`` are the layer's projection before its
+        SiLU (`HSTULayer.project` with ``activate=False``; the gate is then required): one pass takes
+        the SiLU of ``q, k, v`` and appends (`gr_plugin.ops.silu_append_kv`, not the manager's
+        ``append_fn``), the norm's pass takes ``u``'s, as the graphed step does (`HSTULayer.attend_pages`)."""
+        if not activated and norm_gate is None:
+            raise ValueError("activated=False needs norm_gate: the SiLU of its u is taken in the norm's pass")
         self.manager.wait_layer(plan, layer)
-        self.manager.append(layer, k, v, plan, rows=layout.new_rows)
         meta = plan.metadata
+        if activated:
+            self.manager.append(layer, k, v, plan, rows=layout.new_rows)
+        else:
+            self.manager.check_append(layer, k, v, plan, rows=layout.new_rows)
+            q, k, v = silu_append_kv(self.kv_table[layer], q, k, v, meta.new_token_slots, layout.new_rows)
         return paged_hstu_attention(
             q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
             layout.q_offsets, meta.new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=layout.max_q_len,
             max_history_len=max(meta.max_total_len, 1), num_history_tokens=meta.num_total_tokens, norm_gate=norm_gate,
+            silu_gate=not activated,
         )
 
     attend = forward
