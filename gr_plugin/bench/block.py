@@ -18,6 +18,7 @@ allocate has its own suite.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import statistics
@@ -54,6 +55,27 @@ def _time_ms(fn, repeats: int, warmup: int = 3) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def kernel_times(fn, steps: int = 10) -> tuple[collections.Counter, collections.Counter]:
+    """Device time (µs) and launch count per kernel name of one call of ``fn``, averaged over
+    ``steps`` calls under torch.profiler after three warm-up calls (the profile scripts' breakdowns)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+    times, counts = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / steps
+            counts[e.name] += 1 / steps
+    return times, counts
 
 
 def _graph(fn):

@@ -17,27 +17,11 @@ import importlib
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from gr_plugin.bench.block import Block, StaticStep, _time_ms
+from gr_plugin.bench.block import Block, StaticStep, _time_ms, kernel_times
 
 CASES = ((128, 128, 1), (128, 128, 8), (256, 32, 1), (256, 32, 8))
 HIST, CACHED, CANDIDATES = 4096, 3968, 256
-
-
-def kernel_us(fn, steps: int = 10) -> collections.Counter:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    times = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:80]] += e.device_time / steps
-    return times
 
 
 def main() -> None:
@@ -69,14 +53,14 @@ def main() -> None:
                 for flag, step in steps.items():
                     rounds[flag].append(_time_ms(step.run, 20))
             walls = {flag: sorted(v)[len(v) // 2] for flag, v in rounds.items()}
-            kernels = {flag: kernel_us(step.run) for flag, step in steps.items()}
+            kernels = {flag: kernel_times(step.run)[0] for flag, step in steps.items()}
         print(f"=== head_dim {dim} page {page} bs {bs}: {attr}=False vs True: same bits {same} "
               f"(max abs diff {diff:.3g}); "
               f"wall {walls[False]:.4f} vs {walls[True]:.4f} ms", flush=True)
         for k in sorted(set(kernels[False]) | set(kernels[True])):
             a, b = kernels[False][k], kernels[True][k]
             if abs(a - b) > 0.5:
-                print(f"  {a:8.1f} vs {b:8.1f} us/step  {k}", flush=True)
+                print(f"  {a:8.1f} vs {b:8.1f} us/step  {k[:100]}", flush=True)
 
 
 if __name__ == "__main__":

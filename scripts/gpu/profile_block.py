@@ -12,10 +12,9 @@ import collections
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import gr_plugin.ops.triton as tri_ops
-from gr_plugin.bench.block import Block, StaticStep, _graph, _time_ms
+from gr_plugin.bench.block import Block, StaticStep, _graph, _time_ms, kernel_times
 
 dim, page, bs = (int(a) for a in (sys.argv[1:] + ["128", "128", "8"][len(sys.argv) - 1:])[:3])
 hist, cached, cands = 4096, 3968, 256
@@ -23,25 +22,6 @@ blk = Block(dim, page, num_pages=bs * (hist // page + 2) + 8)
 users = list(range(bs))
 blk.fill(users, cached)
 plan = blk.plan(users, hist)
-
-
-def kernels(fn, steps=10):
-    with torch.no_grad():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-    times = collections.Counter()
-    counts = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name] += e.device_time / steps
-            counts[e.name] += 1 / steps
-    return times, counts
-
 
 with torch.no_grad():
     cached_fn, _ = blk.cached_fn(plan, bs, hist - cached, cands)
@@ -62,7 +42,7 @@ with torch.no_grad():
     walls["full (graph)"] = _time_ms(full_graph, 10)
 for name, fn in (("cached (graphs)", step.run), ("cached (graphs, SiLU pass)", step_pass.run),
                  ("cached (eager)", cached_fn), ("full (graph)", full_graph)):
-    times, counts = kernels(fn)
+    times, counts = kernel_times(fn)
     total = sum(times.values())
     print(f"=== {name}: bs {bs} head_dim {dim} page {page}: kernel time {total / 1e3:.3f} ms per step")
     for k, t in times.most_common(25):

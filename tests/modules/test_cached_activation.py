@@ -57,21 +57,21 @@ def test_pre_silu_cached_pass_equals_the_activated_pass():
             u.grow(2)
 
 
-def _begun(model, cache, users, cands):
-    history, candidates, lengths, keys = make_inputs(users, cands)
+def _begun(seed):
+    """A begun step of a tiny model on an empty cache: its plan, layout, layer 0's projection before
+    its SiLU, and a copy of the table."""
+    model = tiny_model()
+    cache = tiny_cache(model)
+    _, users = _visits(seed)
+    history, candidates, lengths, keys = make_inputs(users, [u.candidates(2) for u in users])
     plan = cache.begin([u.uid for u in users], lengths, keys)
     layout = build_token_layout(history, candidates, plan.metadata.cached_lengths, model.config.max_positions)
-    x = model._embed(layout)
-    return plan, layout, model.layers[0].project(x, activate=False)
+    projected = model.layers[0].project(model._embed(layout), activate=False)
+    return model, cache, plan, layout, projected, cache.kv_table.clone()
 
 
 def test_pre_silu_attend_without_the_norm_gate_is_refused_and_writes_nothing():
-    model = tiny_model()
-    cache = tiny_cache(model)
-    _, users = _visits(1)
-    cands = [u.candidates(2) for u in users]
-    plan, layout, (u, q, k, v) = _begun(model, cache, users, cands)
-    before = cache.kv_table.clone()
+    model, cache, plan, layout, (_, q, k, v), before = _begun(1)
     layer = model.layers[0]
     with torch.no_grad(), pytest.raises(ValueError, match="activated=False needs norm_gate"):
         cache.attend(0, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm, activated=False)
@@ -82,12 +82,7 @@ def test_pre_silu_attend_without_the_norm_gate_is_refused_and_writes_nothing():
 
 @pytest.mark.parametrize("bad", ["k_rows", "v_dtype", "layer"])
 def test_pre_silu_attend_checks_before_writing(bad):
-    model = tiny_model()
-    cache = tiny_cache(model)
-    _, users = _visits(2)
-    cands = [u.candidates(2) for u in users]
-    plan, layout, (u, q, k, v) = _begun(model, cache, users, cands)
-    before = cache.kv_table.clone()
+    model, cache, plan, layout, (u, q, k, v), before = _begun(2)
     layer, index = model.layers[0], 0
     if bad == "k_rows":
         k, match = k[:-1], "must have shape"
