@@ -12,7 +12,8 @@ its launch passes to the kernel, eagerly and as a launch captured into a CUDA gr
 loads where `_use_tma` allows them: not for head_dim 256's 64-key blocks on 32-token pages),
 specialises them as Triton's launcher does and compiles for sm_90. It prints the cubin's registers
 and local memory (``cuobjdump --dump-resource-usage``: ``REG`` and ``STACK``; the H200's
-``n_spills`` in Triton is ``STACK / 4``).
+``n_spills`` in Triton is ``STACK / 4``) and the kernel's shared memory (Triton's
+``metadata.shared``: how many programs fit on an SM).
 
 ``--module PATH``: the kernel module from another file (e.g. ``git show <commit>:gr_plugin/ops/
 triton/hstu_attention.py > /tmp/k.py``; the helpers it imports come from this tree), to compare a

@@ -8,7 +8,8 @@ At the block's shapes (hidden 1024, 4 heads of head_dim 128 / 256; 384 rows a us
 (median of ``triton.testing.do_bench_cudagraph``, min of 3 interleaved rounds) of ``F.linear`` (what the
 step runs) and of `_gemm` (``y = x W^T + b``, optionally ``+ residual`` in its epilogue) at each config
 of `CONFIGS`, with each output's largest difference from ``F.linear`` in bf16 rounding steps of the
-result's scale. Prints one line per shape and config, the best config last.
+result's scale (and, for the output projection, each config with the residual added in its epilogue,
+checked against ``F.linear + residual``). Prints one line per form for each shape, fastest first.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ def main() -> None:
                     err = (got.float() - want.float()).abs().max().item() / (scale * 2 ** -8)
                     fns[f"triton {cfg} (err {err:.2f} steps)"] = lambda cfg=cfg: gemm(x, w, b, cfg)
                     if name == "output":
-                        fns[f"triton {cfg} + residual"] = lambda cfg=cfg: gemm(x, w, b, cfg, residual=res)
+                        got = gemm(x, w, b, cfg, residual=res)
+                        want_r = (res.float() + want.float()).to(res.dtype).float()
+                        err = (got.float() - want_r).abs().max().item() / (want_r.abs().max().item() * 2 ** -8)
+                        fns[f"triton {cfg} + residual (err {err:.2f} steps)"] = (
+                            lambda cfg=cfg: gemm(x, w, b, cfg, residual=res))
                 best = dict.fromkeys(fns, float("inf"))
                 for _ in range(3):
                     for label, fn in fns.items():
