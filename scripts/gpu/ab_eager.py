@@ -1,0 +1,107 @@
+"""The eager cached pass in its two forms, side by side in one process: `HSTURanker.forward_cached`
+(the projection's SiLU taken in `ops.silu_append_kv` and the norm gate's pass, eb90a7f) against the
+same loop with the projection activated first and the manager's append (the form before it).
+
+python3 scripts/gpu/ab_eager.py [bs ...]
+
+The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on CUDA, fp32 on the
+CPU), ``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each
+round begins a step, runs one form, and aborts, so every round reads the same pages; the two forms
+take turns. Prints each form's median wall ms (device synchronised around the call) over ``ROUNDS``
+rounds per form, and the largest difference between their logits. On the CPU it only checks that it
+runs (``--tiny``: a 2-layer, hidden-64 model with a 256-event history).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gr_plugin.bench.e2e import stream_cache_config, stream_model
+from gr_plugin.modules import KVCacheModule, cache_token_keys
+from gr_plugin.modules.hstu import next_layer
+from gr_plugin.modules.tokens import build_token_layout
+
+ROUNDS = 30
+
+
+def activated_first(model, history, candidates, cache, plan):
+    """`forward_cached`'s loop as it was before eb90a7f: SiLU of the whole projection, then the
+    manager's append and the attention over activated inputs."""
+    layout = build_token_layout(history, candidates, plan.metadata.cached_lengths, model.config.max_positions)
+    x, normed = model._embed(layout), None
+    for i, layer in enumerate(model.layers):
+        u, q, k, v = layer.project(x, normed)
+        gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
+                             norm_gate=layer.norm_gate(u))
+        x, normed = layer.finish_gated_and_norm(x, gated, next_layer(model.layers, i))
+    return model._head(x, layout)
+
+
+def requests(bs: int, hist: int, new: int, cands: int, num_items: int, g: torch.Generator):
+    """Per user ``hist + new`` random events (item, action, time bucket) and ``cands`` candidates:
+    the warm-up step's KJTs (the first ``hist`` events) and the measured step's."""
+    ev = [(torch.randint(1, num_items, (hist + new,), generator=g), torch.randint(1, 6, (hist + new,), generator=g),
+           torch.randint(0, 8, (hist + new,), generator=g)) for _ in range(bs)]
+    cand = torch.randint(1, num_items, (bs * cands,), generator=g)
+
+    def kjts(n):
+        values = torch.cat([torch.cat([e[f][:n] for e in ev]) for f in range(3)])
+        history = KeyedJaggedTensor(keys=["item", "action", "time"], values=values,
+                                    lengths=torch.full((3 * bs,), n, dtype=torch.int64))
+        keys = cache_token_keys(*(torch.cat([e[f][:n] for e in ev]) for f in range(3)))
+        return history, keys
+
+    candidates = KeyedJaggedTensor(keys=["item"], values=cand, lengths=torch.full((bs,), cands, dtype=torch.int64))
+    return kjts(hist), kjts(hist + new), candidates
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--tiny"]
+    tiny = "--tiny" in sys.argv
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    dims = dict(hidden=64, layers=2, heads=2, head_dim=16) if tiny else {}
+    hist, new, cands, page = (256, 32, 16, 16) if tiny else (3968, 128, 256, 128)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = stream_model(device, **dims)
+    for bs in [int(a) for a in args] or [1, 8]:
+        kv = stream_cache_config(device, bs, hist + new, new, dims.get("layers", 8), dims.get("heads", 4),
+                                 dims.get("head_dim", 128), page)
+        cache = KVCacheModule(kv, "gpu")
+        g = torch.Generator().manual_seed(bs)
+        (h0, k0), (h1, k1), candidates = requests(bs, hist, new, cands, model.config.num_items, g)
+        users = list(range(bs))
+        with torch.no_grad():
+            plan = cache.begin(users, [hist] * bs, k0)
+            model.forward_cached(h0, candidates.to(device), cache, plan)
+            cache.commit(plan)
+            h1, candidates = h1.to(device), candidates.to(device)
+            forms = {"forward_cached (pre-SiLU)": lambda p: model.forward_cached(h1, candidates, cache, p),
+                     "activated first (before eb90a7f)": lambda p: activated_first(model, h1, candidates, cache, p)}
+            walls = {name: [] for name in forms}
+            logits = {}
+            for r in range(ROUNDS + 2):  # two warm-up rounds
+                for name, fn in forms.items():
+                    plan = cache.begin(users, [hist + new] * bs, k1)
+                    if plan.metadata.cached_lengths.sum() != bs * hist:
+                        raise RuntimeError(f"expected {bs * hist} cached events, got {plan.metadata.cached_lengths}")
+                    sync()
+                    t0 = time.perf_counter()
+                    logits[name] = fn(plan)
+                    sync()
+                    if r >= 2:
+                        walls[name].append(time.perf_counter() - t0)
+                    cache.abort(plan)
+        a, b = logits.values()
+        print(f"=== bs {bs} ({device.type}): max abs diff {(a.float() - b.float()).abs().max().item():.3g}", flush=True)
+        for name, w in walls.items():
+            print(f"  {1e3 * statistics.median(w):8.3f} ms  {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
