@@ -259,12 +259,15 @@ class HSTURanker(nn.Module):
 
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
-                       max_candidates: int | None = None,
-                       layout: TokenLayout | None = None) -> torch.Tensor:
+                       max_candidates: int | None = None, layout: TokenLayout | None = None,
+                       silu_pass: bool = False) -> torch.Tensor:
         """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
         read from the cache's pages; the rest are computed and appended. Same logits as
         ``forward`` (to float rounding). ``num_candidates``/``max_candidates`` (host ints)
-        avoid device syncs; a ``layout`` the caller built for this plan is used as is."""
+        avoid device syncs; a ``layout`` the caller built for this plan is used as is. Each layer
+        takes its projection before the SiLU (`KVCacheModule.forward` with ``activated=False``);
+        ``silu_pass``: the projection activated first, in a pass of its own (the form before eb90a7f,
+        kept for side-by-side measurement: scripts/gpu/ab_eager.py)."""
         check_inputs(history, candidates)
         meta = plan.metadata
         if meta.batch_size != history.stride():
@@ -278,9 +281,9 @@ class HSTURanker(nn.Module):
             )
         x, normed = self._embed(layout), None
         for i, layer in enumerate(self.layers):
-            u, q, k, v = layer.project(x, normed, activate=False)
+            u, q, k, v = layer.project(x, normed, activate=silu_pass)
             gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
-                                 norm_gate=layer.norm_gate(u), activated=False)
+                                 norm_gate=layer.norm_gate(u), activated=silu_pass)
             x, normed = layer.finish_gated_and_norm(x, gated, next_layer(self.layers, i))
         return self._head(x, layout)
 

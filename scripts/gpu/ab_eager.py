@@ -1,6 +1,7 @@
 """The eager cached pass in its two forms, side by side in one process: `HSTURanker.forward_cached`
-(the projection's SiLU taken in `ops.silu_append_kv` and the norm gate's pass, eb90a7f) against the
-same loop with the projection activated first and the manager's append (the form before it).
+(the projection's SiLU taken in `ops.silu_append_kv` and the norm gate's pass, eb90a7f) against
+``forward_cached(..., silu_pass=True)`` (the projection activated first and the manager's append: the
+form before it).
 
 python3 scripts/gpu/ab_eager.py [bs ...]
 
@@ -23,23 +24,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.bench.e2e import stream_cache_config, stream_model
 from gr_plugin.modules import KVCacheModule, cache_token_keys
-from gr_plugin.modules.hstu import next_layer
-from gr_plugin.modules.tokens import build_token_layout
 
 ROUNDS = 30
-
-
-def activated_first(model, history, candidates, cache, plan):
-    """`forward_cached`'s loop as it was before eb90a7f: SiLU of the whole projection, then the
-    manager's append and the attention over activated inputs."""
-    layout = build_token_layout(history, candidates, plan.metadata.cached_lengths, model.config.max_positions)
-    x, normed = model._embed(layout), None
-    for i, layer in enumerate(model.layers):
-        u, q, k, v = layer.project(x, normed)
-        gated = cache.attend(i, q, k, v, layout, plan, alpha=layer.alpha, n_norm=layer.n_norm,
-                             norm_gate=layer.norm_gate(u))
-        x, normed = layer.finish_gated_and_norm(x, gated, next_layer(model.layers, i))
-    return model._head(x, layout)
 
 
 def requests(bs: int, hist: int, new: int, cands: int, num_items: int, g: torch.Generator):
@@ -82,7 +68,8 @@ def main() -> None:
             cache.commit(plan)
             h1, candidates = h1.to(device), candidates.to(device)
             forms = {"forward_cached (pre-SiLU)": lambda p: model.forward_cached(h1, candidates, cache, p),
-                     "activated first (before eb90a7f)": lambda p: activated_first(model, h1, candidates, cache, p)}
+                     "silu_pass=True (before eb90a7f)": lambda p: model.forward_cached(h1, candidates, cache, p,
+                                                                                      silu_pass=True)}
             walls = {name: [] for name in forms}
             logits = {}
             for r in range(ROUNDS + 2):  # two warm-up rounds
