@@ -7,8 +7,9 @@ python3 scripts/gpu/ab_eager.py [bs ...]
 
 The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on CUDA, fp32 on the
 CPU), ``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each
-round begins a step, runs one form, and aborts, so every round reads the same pages; the two forms
-take turns. Prints each form's median wall ms (device synchronised around the call) over ``ROUNDS``
+round begins a step, builds its token layout on the host and copies it to the device (untimed, as
+`RankingEngine.prepare` does), runs one form, and aborts, so every round reads the same pages; the two
+forms take turns. Prints each form's median wall ms (device synchronised around the call) over ``ROUNDS``
 rounds per form, and the largest difference between their logits. On the CPU it only checks that it
 runs (``--tiny``: a 2-layer, hidden-64 model with a 256-event history).
 """
@@ -24,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.bench.e2e import stream_cache_config, stream_model
 from gr_plugin.modules import KVCacheModule, cache_token_keys
+from gr_plugin.modules.tokens import build_token_layout
 
 ROUNDS = 30
 
@@ -46,6 +48,13 @@ def requests(bs: int, hist: int, new: int, cands: int, num_items: int, g: torch.
     return kjts(hist), kjts(hist + new), candidates
 
 
+def layout_of(model, history, candidates, plan, device):
+    """The plan's token layout built on the host and copied to ``device`` before the timed call, as
+    `RankingEngine.prepare` does for the eager step (``forward_cached(..., layout=...)``)."""
+    cached = torch.tensor(plan.cached_lengths, dtype=torch.int64)
+    return build_token_layout(history, candidates, cached, model.config.max_positions).to(device)
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--tiny"]
     tiny = "--tiny" in sys.argv
@@ -64,12 +73,12 @@ def main() -> None:
         users = list(range(bs))
         with torch.no_grad():
             plan = cache.begin(users, [hist] * bs, k0)
-            model.forward_cached(h0, candidates.to(device), cache, plan)
+            model.forward_cached(h0, candidates, cache, plan, layout=layout_of(model, h0, candidates, plan, device))
             cache.commit(plan)
-            h1, candidates = h1.to(device), candidates.to(device)
-            forms = {"forward_cached (pre-SiLU)": lambda p: model.forward_cached(h1, candidates, cache, p),
-                     "silu_pass=True (before eb90a7f)": lambda p: model.forward_cached(h1, candidates, cache, p,
-                                                                                      silu_pass=True)}
+            forms = {"forward_cached (pre-SiLU)": lambda p, lay: model.forward_cached(h1, candidates, cache, p,
+                                                                                      layout=lay),
+                     "silu_pass=True (before eb90a7f)": lambda p, lay: model.forward_cached(h1, candidates, cache, p,
+                                                                                            layout=lay, silu_pass=True)}
             walls = {name: [] for name in forms}
             logits = {}
             for r in range(ROUNDS + 2):  # two warm-up rounds
@@ -77,9 +86,10 @@ def main() -> None:
                     plan = cache.begin(users, [hist + new] * bs, k1)
                     if plan.metadata.cached_lengths.sum() != bs * hist:
                         raise RuntimeError(f"expected {bs * hist} cached events, got {plan.metadata.cached_lengths}")
+                    layout = layout_of(model, h1, candidates, plan, device)
                     sync()
                     t0 = time.perf_counter()
-                    logits[name] = fn(plan)
+                    logits[name] = fn(plan, layout)
                     sync()
                     if r >= 2:
                         walls[name].append(time.perf_counter() - t0)
