@@ -9,8 +9,10 @@ The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on 
 CPU), ``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each
 round begins a step, builds its token layout on the host and copies it to the device (untimed, as
 `RankingEngine.prepare` does), runs one form, and aborts, so every round reads the same pages; the two
-forms take turns. Prints each form's median wall ms (device synchronised around the call) over ``ROUNDS``
-rounds per form, and the largest difference between their logits. On the CPU it only checks that it
+forms take turns. Prints each form's median wall ms (device synchronised around the call; p10 and p90) over
+``ROUNDS`` rounds per form, the median host ms until the call returns, the device time of its kernels
+(torch.profiler, the mean of 5 calls) and the kernels whose time differs by more than 0.5 µs, and the
+largest difference between their logits. On the CPU it only checks that it
 runs (``--tiny``: a 2-layer, hidden-64 model with a 256-event history).
 """
 
@@ -23,6 +25,7 @@ import time
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gr_plugin.bench.block import kernel_times
 from gr_plugin.bench.e2e import stream_cache_config, stream_model
 from gr_plugin.modules import KVCacheModule, cache_token_keys
 from gr_plugin.modules.tokens import build_token_layout
@@ -79,26 +82,42 @@ def main() -> None:
                                                                                       layout=lay),
                      "silu_pass=True (before eb90a7f)": lambda p, lay: model.forward_cached(h1, candidates, cache, p,
                                                                                             layout=lay, silu_pass=True)}
-            walls = {name: [] for name in forms}
+            walls, hosts = ({name: [] for name in forms} for _ in range(2))
             logits = {}
+
+            def one(name, fn, r=None):
+                plan = cache.begin(users, [hist + new] * bs, k1)
+                if plan.metadata.cached_lengths.sum() != bs * hist:
+                    raise RuntimeError(f"expected {bs * hist} cached events, got {plan.metadata.cached_lengths}")
+                layout = layout_of(model, h1, candidates, plan, device)
+                sync()
+                t0 = time.perf_counter()
+                logits[name] = fn(plan, layout)
+                t1 = time.perf_counter()
+                sync()
+                if r is not None and r >= 2:
+                    walls[name].append(time.perf_counter() - t0)
+                    hosts[name].append(t1 - t0)
+                cache.abort(plan)
+
             for r in range(ROUNDS + 2):  # two warm-up rounds
                 for name, fn in forms.items():
-                    plan = cache.begin(users, [hist + new] * bs, k1)
-                    if plan.metadata.cached_lengths.sum() != bs * hist:
-                        raise RuntimeError(f"expected {bs * hist} cached events, got {plan.metadata.cached_lengths}")
-                    layout = layout_of(model, h1, candidates, plan, device)
-                    sync()
-                    t0 = time.perf_counter()
-                    logits[name] = fn(plan, layout)
-                    sync()
-                    if r >= 2:
-                        walls[name].append(time.perf_counter() - t0)
-                    cache.abort(plan)
+                    one(name, fn, r)
+            kernels = {name: kernel_times(lambda name=name, fn=fn: one(name, fn), steps=5)[0]
+                       for name, fn in forms.items()} if device.type == "cuda" else {}
         a, b = logits.values()
         print(f"=== bs {bs} ({device.type}): max abs diff {(a.float() - b.float()).abs().max().item():.3g}", flush=True)
         for name, w in walls.items():
-            print(f"  {1e3 * statistics.median(w):8.3f} ms  {name}", flush=True)
-
+            q = statistics.quantiles(w, n=10)
+            print(f"  {1e3 * statistics.median(w):8.3f} ms wall (p10 {1e3 * q[0]:.3f}, p90 {1e3 * q[-1]:.3f}), host "
+                  f"{1e3 * statistics.median(hosts[name]):.3f} ms to return"
+                  + (f", kernels {1e-3 * sum(kernels[name].values()):.3f} ms" if kernels else "") + f"  {name}",
+                  flush=True)
+        if kernels:
+            ka, kb = kernels.values()
+            for k in sorted(set(ka) | set(kb), key=lambda k: -abs(ka[k] - kb[k])):
+                if abs(ka[k] - kb[k]) > 0.5:
+                    print(f"    {ka[k]:9.1f} {kb[k]:9.1f} µs  {k[:90]}", flush=True)
 
 if __name__ == "__main__":
     main()
