@@ -3,21 +3,23 @@
 ``forward_cached(..., silu_pass=True)`` (the projection activated first and the manager's append: the
 form before it).
 
-python3 scripts/gpu/ab_eager.py [bs ...]
+python3 scripts/gpu/ab_eager.py [--cprofile] [bs ...]
 
-The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on CUDA, fp32 on the
-CPU), ``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each
-round begins a step, builds its token layout on the host and copies it to the device (untimed, as
-`RankingEngine.prepare` does), runs one form, and aborts, so every round reads the same pages; the two
-forms take turns. Prints each form's median wall ms (device synchronised around the call; p10 and p90) over
-``ROUNDS`` rounds per form, the median host ms until the call returns, the device time of its kernels
-(torch.profiler, the mean of 5 calls) and the kernels whose time differs by more than 0.5 µs, and the
-largest difference between their logits. On the CPU it only checks that it
-runs (``--tiny``: a 2-layer, hidden-64 model with a 256-event history).
-"""
+The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on CUDA, fp32 on the CPU),
+``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each round begins a
+step, builds its token layout on the host and copies it to the device (untimed, as `RankingEngine.prepare`
+does), runs one form, and aborts, so every round reads the same pages; the two forms take turns. Prints each
+form's median wall ms (device synchronised around the call; p10 and p90) over ``ROUNDS`` rounds per form,
+the median host ms until the call returns, the device time of its kernels (torch.profiler, the mean of 5
+calls) and the kernels whose time differs by more than 0.5 µs, and the largest difference between their
+logits; ``--cprofile``: each form's host time by function (cProfile). On the CPU it only checks that it runs
+(``--tiny``: a 2-layer, hidden-64 model with a 256-event history)."""
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -59,7 +61,7 @@ def layout_of(model, history, candidates, plan, device):
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--tiny"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     tiny = "--tiny" in sys.argv
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     dims = dict(hidden=64, layers=2, heads=2, head_dim=16) if tiny else {}
@@ -103,6 +105,16 @@ def main() -> None:
             for r in range(ROUNDS + 2):  # two warm-up rounds
                 for name, fn in forms.items():
                     one(name, fn, r)
+            if "--cprofile" in sys.argv:  # the host's time by function, 10 calls of each form
+                for name, fn in forms.items():
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(10):
+                        one(name, fn)
+                    prof.disable()
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                    print(f"--- bs {bs} {name}: host profile (10 calls, begin and abort included)\n{text.getvalue()}")
             kernels = {name: kernel_times(lambda name=name, fn=fn: one(name, fn), steps=5)[0]
                        for name, fn in forms.items()} if device.type == "cuda" else {}
         a, b = logits.values()
