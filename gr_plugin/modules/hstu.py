@@ -260,14 +260,19 @@ class HSTURanker(nn.Module):
     def forward_cached(self, history: KeyedJaggedTensor, candidates: KeyedJaggedTensor,
                        cache: KVCacheModule, plan: BatchPlan, *, num_candidates: int | None = None,
                        max_candidates: int | None = None, layout: TokenLayout | None = None,
-                       silu_pass: bool = False) -> torch.Tensor:
+                       silu_pass: bool = True) -> torch.Tensor:
         """The cached pass for a prepared ``plan``: ``plan.cached_lengths`` events per user are
         read from the cache's pages; the rest are computed and appended. Same logits as
         ``forward`` (to float rounding). ``num_candidates``/``max_candidates`` (host ints)
-        avoid device syncs; a ``layout`` the caller built for this plan is used as is. Each layer
-        takes its projection before the SiLU (`KVCacheModule.forward` with ``activated=False``);
-        ``silu_pass``: the projection activated first, in a pass of its own (the form before eb90a7f,
-        kept for side-by-side measurement: scripts/gpu/ab_eager.py)."""
+        avoid device syncs; a ``layout`` the caller built for this plan is used as is.
+        ``silu_pass`` (default): each layer's projection activated first, in a pass of its own, and
+        the manager's append; False: the projection before its SiLU (`KVCacheModule.forward` with
+        ``activated=False``: `ops.silu_append_kv`, the norm gate's SiLU of ``u``), the graphed step's
+        form. NOTE: measured on the H200 (scripts/gpu/ab_eager.py, docs/BENCHMARKS.md): this eager
+        pass is host-bound (the host's time to return was 99% of the wall, its kernels 8-16%), and
+        the pre-SiLU form, whose kernels took 2.5-4% less device time, took 2.0-5.5% more wall at bs 8
+        in three calls of three (its extra Python checks and launch arguments), -3.3% to +1.6% at
+        bs 1; the same bits on the GPU."""
         check_inputs(history, candidates)
         meta = plan.metadata
         if meta.batch_size != history.stride():

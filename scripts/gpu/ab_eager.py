@@ -1,7 +1,7 @@
 """The eager cached pass in its two forms, side by side in one process: `HSTURanker.forward_cached`
-(the projection's SiLU taken in `ops.silu_append_kv` and the norm gate's pass, eb90a7f) against
-``forward_cached(..., silu_pass=True)`` (the projection activated first and the manager's append: the
-form before it).
+with ``silu_pass=False`` (the projection's SiLU taken in `ops.silu_append_kv` and the norm gate's pass,
+the graphed step's form; the eager default from eb90a7f until this script measured it) against
+``silu_pass=True`` (the projection activated first and the manager's append: the default).
 
 python3 scripts/gpu/ab_eager.py [--cprofile] [bs ...]
 
@@ -80,10 +80,10 @@ def main() -> None:
             plan = cache.begin(users, [hist] * bs, k0)
             model.forward_cached(h0, candidates, cache, plan, layout=layout_of(model, h0, candidates, plan, device))
             cache.commit(plan)
-            forms = {"forward_cached (pre-SiLU)": lambda p, lay: model.forward_cached(h1, candidates, cache, p,
-                                                                                      layout=lay),
-                     "silu_pass=True (before eb90a7f)": lambda p, lay: model.forward_cached(h1, candidates, cache, p,
-                                                                                            layout=lay, silu_pass=True)}
+            forms = {"silu_pass=False (pre-SiLU, eb90a7f)": lambda p, lay: model.forward_cached(
+                         h1, candidates, cache, p, layout=lay, silu_pass=False),
+                     "silu_pass=True (the default)": lambda p, lay: model.forward_cached(
+                         h1, candidates, cache, p, layout=lay, silu_pass=True)}
             walls, hosts = ({name: [] for name in forms} for _ in range(2))
             logits = {}
 

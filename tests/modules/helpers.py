@@ -69,13 +69,15 @@ def make_inputs(users: list[User], cands: list[torch.Tensor]):
 
 
 def cached_scores(model: HSTURanker, cache: KVCacheModule, users: list[User], cands: list[torch.Tensor],
-                  outcome: str = "commit"):
+                  outcome: str = "commit", **forward_kw):
+    """``model.forward_cached``'s scores for these users and candidates (``forward_kw`` passed on),
+    the step committed (or aborted), and its plan; (None, None) where the batch does not fit."""
     history, candidates, lengths, keys = make_inputs(users, cands)
     plan = cache.begin([u.uid for u in users], lengths, keys)
     if plan is None:
         return None, None
     with torch.no_grad():
-        out = model.forward_cached(history, candidates, cache, plan)
+        out = model.forward_cached(history, candidates, cache, plan, **forward_kw)
     (cache.commit if outcome == "commit" else cache.abort)(plan)
     return out, plan
 

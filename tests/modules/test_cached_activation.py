@@ -1,5 +1,6 @@
-"""The eager cached pass takes the layer's projection before its SiLU (`KVCacheModule.forward` with
-``activated=False``: `ops.silu_append_kv`, the norm gate's SiLU of ``u``), as the graphed step does.
+"""The cached pass's pre-SiLU form (`forward_cached(..., silu_pass=False)`: `KVCacheModule.forward` with
+``activated=False``, `ops.silu_append_kv`, the norm gate's SiLU of ``u``), the graphed step's form, against
+the default eager form (the projection activated first, the manager's append) written out on its own.
 On the CPU both forms run torch's ops, so they agree to fp32 rounding, not bit for bit: torch's CPU
 SiLU of a strided [N, H, D] view and of the whole projection can round an element differently (its
 vectorised and scalar ``exp``: 1-2 ulp apart). On the GPU the graphed step's equality of bits with the
@@ -16,8 +17,8 @@ from tests.modules.helpers import User, cached_scores, full_scores, make_inputs,
 
 
 def _activated_scores(model, cache, users, cands):
-    """`forward_cached`'s loop with the projection activated first and the manager's append (the
-    eager pass before the cached layer took the pre-SiLU projection)."""
+    """`forward_cached`'s loop with the projection activated first and the manager's append (its
+    default form), written out here so that the test does not share the switch it checks."""
     history, candidates, lengths, keys = make_inputs(users, cands)
     plan = cache.begin([u.uid for u in users], lengths, keys)
     layout = build_token_layout(history, candidates, plan.metadata.cached_lengths, model.config.max_positions)
@@ -47,7 +48,7 @@ def test_pre_silu_cached_pass_equals_the_activated_pass():
     _, users = _visits()
     for visit in range(3):  # a cold visit, then two that read the first visits' pages
         cands = [u.candidates(3) for u in users]
-        got, plan = cached_scores(model, a, users, cands)
+        got, plan = cached_scores(model, a, users, cands, silu_pass=False)
         want = _activated_scores(model, b, users, cands)
         assert plan.metadata.cached_lengths.sum() > 0 or visit == 0
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"visit {visit}")
