@@ -269,9 +269,9 @@ class HSTURanker(nn.Module):
         the manager's append; False: the projection before its SiLU (`KVCacheModule.forward` with
         ``activated=False``: `ops.silu_append_kv`, the norm gate's SiLU of ``u``), the graphed step's
         form. NOTE: measured on the H200 (scripts/gpu/ab_eager.py, docs/BENCHMARKS.md): this eager
-        pass is host-bound (the host's time to return was 99% of the wall, its kernels 8-16%), and
-        the pre-SiLU form, whose kernels took 2.5-4% less device time, took 2.0-5.5% more wall at bs 8
-        in three calls of three (its extra Python checks and launch arguments), -3.3% to +1.6% at
+        pass is host-bound (the host's time to return was 99% of the wall, its kernels 7-23%), and
+        the pre-SiLU form, whose kernels took 1.9-4% less device time, took 2.0-5.5% more wall at bs 8
+        in four calls of four (its extra Python checks and launch arguments), -3.3% to +1.6% at
         bs 1; the same bits on the GPU."""
         check_inputs(history, candidates)
         meta = plan.metadata
