@@ -271,8 +271,8 @@ class HSTURanker(nn.Module):
         form. NOTE: measured on the H200 (scripts/gpu/ab_eager.py, docs/BENCHMARKS.md): this eager
         pass is host-bound (the host's time to return was 99% of the wall, its kernels 7-23%), and
         the pre-SiLU form, whose kernels took 1.9-4% less device time, took 2.0-5.5% more wall at bs 8
-        in four calls of four (its extra Python checks and launch arguments), -3.3% to +1.6% at
-        bs 1; the same bits on the GPU."""
+        in four calls of four (inferred: its extra Python checks and launch arguments), -3.3% to
+        +1.6% at bs 1, all inside the calls' spreads; the same logits in those runs."""
         check_inputs(history, candidates)
         meta = plan.metadata
         if meta.batch_size != history.stride():

@@ -3,17 +3,20 @@ with ``silu_pass=False`` (the projection's SiLU taken in `ops.silu_append_kv` an
 the graphed step's form; the eager default from eb90a7f until this script measured it) against
 ``silu_pass=True`` (the projection activated first and the manager's append: the default).
 
-python3 scripts/gpu/ab_eager.py [--cprofile] [bs ...]
+python3 scripts/gpu/ab_eager.py [--cprofile] [--tiny] [bs ...]
 
 The e2e suite's model (8 layers, hidden 1024, 4 heads of 128, page 128; bf16 on CUDA, fp32 on the CPU),
 ``bs`` users (default 1 and 8) with 3968 events cached and 128 new, 256 candidates each. Each round begins a
 step, builds its token layout on the host and copies it to the device (untimed, as `RankingEngine.prepare`
-does), runs one form, and aborts, so every round reads the same pages; the two forms take turns. Prints each
-form's median wall ms (device synchronised around the call; p10 and p90) over ``ROUNDS`` rounds per form,
-the median host ms until the call returns, the device time of its kernels (torch.profiler, the mean of 5
-calls) and the kernels whose time differs by more than 0.5 µs, and the largest difference between their
-logits; ``--cprofile``: each form's host time by function (cProfile). On the CPU it only checks that it runs
-(``--tiny``: a 2-layer, hidden-64 model with a 256-event history)."""
+does), runs one form, and aborts, so every round reads the same pages; the two forms take turns, each
+first in every other round (before 2026-12-02 04:30 the pre-SiLU form ran first in every round). Prints
+each form's median wall ms (device synchronised around the call; p10 and p90) over ``ROUNDS`` rounds per
+form, the median of the rounds' paired differences and in how many rounds the first form took longer, the
+median host ms until the call returns, the device time of a round's kernels and copies (torch.profiler,
+the mean of 5 rounds; the layout's copy is in both forms' totals) and the kernels whose time differs by
+more than 0.5 µs, and the largest difference between their logits; ``--cprofile``: each form's host time
+by function (cProfile, whole rounds). On the CPU it only checks that it runs (``--tiny``: a 2-layer,
+hidden-64 model with a 256-event history)."""
 
 from __future__ import annotations
 
@@ -61,6 +64,9 @@ def layout_of(model, history, candidates, plan, device):
 
 
 def main() -> None:
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    if flags - {"--tiny", "--cprofile"}:
+        raise SystemExit(f"unknown flags {sorted(flags - {'--tiny', '--cprofile'})}: --tiny, --cprofile")
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     tiny = "--tiny" in sys.argv
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
@@ -102,8 +108,8 @@ def main() -> None:
                     hosts[name].append(t1 - t0)
                 cache.abort(plan)
 
-            for r in range(ROUNDS + 2):  # two warm-up rounds
-                for name, fn in forms.items():
+            for r in range(ROUNDS + 2):  # two warm-up rounds; each form first in every other round
+                for name, fn in (list(forms.items()) if r % 2 else list(forms.items())[::-1]):
                     one(name, fn, r)
             if "--cprofile" in sys.argv:  # the host's time by function, 10 calls of each form
                 for name, fn in forms.items():
@@ -114,7 +120,8 @@ def main() -> None:
                     prof.disable()
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-                    print(f"--- bs {bs} {name}: host profile (10 calls, begin and abort included)\n{text.getvalue()}")
+                    print(f"--- bs {bs} {name}: host profile (10 rounds: begin, the layout, the call, abort)\n"
+                          f"{text.getvalue()}")
             kernels = {name: kernel_times(lambda name=name, fn=fn: one(name, fn), steps=5)[0]
                        for name, fn in forms.items()} if device.type == "cuda" else {}
         a, b = logits.values()
@@ -125,11 +132,16 @@ def main() -> None:
                   f"{1e3 * statistics.median(hosts[name]):.3f} ms to return"
                   + (f", kernels {1e-3 * sum(kernels[name].values()):.3f} ms" if kernels else "") + f"  {name}",
                   flush=True)
+        (na, wa), (nb, wb) = walls.items()
+        paired = [x - y for x, y in zip(wa, wb)]  # the same round's two walls
+        print(f"  paired: {na} minus {nb}, median {1e3 * statistics.median(paired):+.3f} ms a round, "
+              f"{sum(d > 0 for d in paired)} of {len(paired)} rounds positive", flush=True)
         if kernels:
             ka, kb = kernels.values()
             for k in sorted(set(ka) | set(kb), key=lambda k: -abs(ka[k] - kb[k])):
                 if abs(ka[k] - kb[k]) > 0.5:
                     print(f"    {ka[k]:9.1f} {kb[k]:9.1f} µs  {k[:90]}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -343,8 +343,9 @@ def test_a_raw_onboard_failing_partway_through_layer_0_waits_for_its_queued_runs
     assert (dev[0, :40] == 1).all() and (dev[0, 40:] == 0).all() and (dev[1:] == 0).all()
 
 
+@pytest.mark.parametrize("silu_pass", [True, False])  # the eager default, and the pre-SiLU form (`silu_append_kv`)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cached_model_on_gpu_matches_full_recompute(dtype):
+def test_cached_model_on_gpu_matches_full_recompute(dtype, silu_pass):
     torch.backends.cuda.matmul.allow_tf32 = False
     model, ref, cache, User, make_inputs = _model_pair(dtype)
     g = torch.Generator().manual_seed(4)
@@ -359,7 +360,8 @@ def test_cached_model_on_gpu_matches_full_recompute(dtype):
             exact = ref(history, candidates)  # fp32 on the CPU: the oracle
             plan = cache.begin([u.uid for u in users], lengths, keys)
             h, c = history.to("cuda"), candidates.to("cuda")
-            cached = model.forward_cached(h, c, cache, plan, num_candidates=27, max_candidates=9).float().cpu()
+            cached = model.forward_cached(h, c, cache, plan, num_candidates=27, max_candidates=9,
+                                          silu_pass=silu_pass).float().cpu()
             cache.commit(plan)
             full = model(h, c).float().cpu()
         worst_cached = max(worst_cached, (cached - exact).abs().max().item())

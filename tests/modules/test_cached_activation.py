@@ -101,3 +101,24 @@ def test_pre_silu_attend_checks_before_writing(bad):
     if bad != "dead_plan":
         cache.abort(plan)  # the plan stays in flight: a failed call leaves it to its owner
     cache.manager.check()
+
+
+@pytest.mark.parametrize("kwargs, activated", [({}, True), ({"silu_pass": True}, True),
+                                               ({"silu_pass": False}, False)])
+def test_forward_cached_hands_each_layer_the_form_asked(kwargs, activated, monkeypatch):
+    """The switch reaches every layer's attend, and the default is the activated-first form (the
+    tolerance of the equality test above cannot tell the two forms apart)."""
+    model = tiny_model()
+    cache = tiny_cache(model)
+    _, users = _visits(3)
+    seen, attend = [], cache.attend
+
+    def spy(*args, **kw):
+        seen.append(kw["activated"])
+        return attend(*args, **kw)
+
+    monkeypatch.setattr(cache, "attend", spy)
+    cands = [u.candidates(2) for u in users]
+    got, _ = cached_scores(model, cache, users, cands, **kwargs)
+    assert seen == [activated] * model.config.num_layers
+    torch.testing.assert_close(got, full_scores(model, users, cands), rtol=1e-4, atol=1e-4)
