@@ -28,32 +28,14 @@ import sys
 import time
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from gr_plugin.bench.block import kernel_times
 from gr_plugin.bench.e2e import stream_cache_config, stream_model
-from gr_plugin.modules import KVCacheModule, cache_token_keys
+from gr_plugin.bench.export import _Stream
+from gr_plugin.modules import KVCacheModule
 from gr_plugin.modules.tokens import build_token_layout
 
 ROUNDS = 30
-
-
-def requests(bs: int, hist: int, new: int, cands: int, num_items: int, g: torch.Generator):
-    """Per user ``hist + new`` random events (item, action, time bucket) and ``cands`` candidates:
-    the warm-up step's KJTs (the first ``hist`` events) and the measured step's."""
-    ev = [(torch.randint(1, num_items, (hist + new,), generator=g), torch.randint(1, 6, (hist + new,), generator=g),
-           torch.randint(0, 8, (hist + new,), generator=g)) for _ in range(bs)]
-    cand = torch.randint(1, num_items, (bs * cands,), generator=g)
-
-    def kjts(n):
-        values = torch.cat([torch.cat([e[f][:n] for e in ev]) for f in range(3)])
-        history = KeyedJaggedTensor(keys=["item", "action", "time"], values=values,
-                                    lengths=torch.full((3 * bs,), n, dtype=torch.int64))
-        keys = cache_token_keys(*(torch.cat([e[f][:n] for e in ev]) for f in range(3)))
-        return history, keys
-
-    candidates = KeyedJaggedTensor(keys=["item"], values=cand, lengths=torch.full((bs,), cands, dtype=torch.int64))
-    return kjts(hist), kjts(hist + new), candidates
 
 
 def layout_of(model, history, candidates, plan, device):
@@ -79,12 +61,15 @@ def main() -> None:
         kv = stream_cache_config(device, bs, hist + new, new, dims.get("layers", 8), dims.get("heads", 4),
                                  dims.get("head_dim", 128), page)
         cache = KVCacheModule(kv, "gpu")
-        g = torch.Generator().manual_seed(bs)
-        (h0, k0), (h1, k1), candidates = requests(bs, hist, new, cands, model.config.num_items, g)
+        stream = _Stream(model.config, bs, seed=bs)  # the export bench's users: random events, growing
+        stream.grow(hist)
+        h0, c0, _, k0 = stream.request(cands)
+        stream.grow(new)
+        h1, candidates, _, k1 = stream.request(cands)
         users = list(range(bs))
         with torch.no_grad():
             plan = cache.begin(users, [hist] * bs, k0)
-            model.forward_cached(h0, candidates, cache, plan, layout=layout_of(model, h0, candidates, plan, device))
+            model.forward_cached(h0, c0, cache, plan, layout=layout_of(model, h0, c0, plan, device))
             cache.commit(plan)
             forms = {"silu_pass=False (pre-SiLU, eb90a7f)": lambda p, lay: model.forward_cached(
                          h1, candidates, cache, p, layout=lay, silu_pass=False),
