@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from gr_plugin.bench import block, common, e2e, export, host_overhead, serve, soak, step_host, tiers
+from gr_plugin.bench import block, common, e2e, export, host_overhead, lightning_eval, serve, soak, step_host, tiers
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,8 @@ SUITES = {
     "tiers": (tiers.run, tiers.COLUMNS, "Lower tiers: SSD read, tier hit vs recompute, batched launch"),
     "block": (block.run, block.COLUMNS, "GPU: HSTU block cached vs full, transfers, GPU/host hits"),
     "e2e": (e2e.run, e2e.COLUMNS, "End to end: request streams with and without the cache"),
+    "lightning": (lightning_eval.run, lightning_eval.COLUMNS,
+                  "Lightning predict: no callback vs KVCacheCallback eager vs with CUDA graphs"),
     "serve": (serve.run, serve.COLUMNS, "Serving: Triton server latency and throughput with and without cache hits"),
     "export": (export.run, export.COLUMNS, "Export: eager cached step vs the AOTInductor package, hits and misses"),
 }

@@ -135,12 +135,23 @@ class RankingEngine:
 
     @torch.no_grad()
     def run(self, step: PreparedStep) -> StepResult:
-        """The device half: the layers (cached or full), then commit (abort on any error)."""
+        """The device half: the layers (cached or full, `forward`), then commit (abort on any error)."""
+        logits = self.forward(step)
+        plan = step.plan
+        if plan is None:
+            return StepResult(logits, computed_tokens=step.total, fell_back=step.fell_back)
+        self.cache.commit(plan)
+        return StepResult(logits, cached_tokens=sum(plan.cached_lengths), onboarded_tokens=sum(plan.onboard_tokens),
+                          computed_tokens=sum(plan.new_lengths))
+
+    @torch.no_grad()
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """The step's logits ``[sum(C), num_tasks]``, cached (a CUDA graph's replay where one is captured,
+        else the eager pass) or full, without committing its cache step: the caller commits (`run`;
+        `KVCacheCallback` at the batch's end). Any error aborts the cache step and propagates."""
         if step.plan is None:
             logits = self.full_graphs.step(step.layout) if self.full_graphs is not None else None
-            if logits is None:
-                logits = self.model.forward_layout(step.layout.to(self.device))
-            return StepResult(logits, computed_tokens=step.total, fell_back=step.fell_back)
+            return self.model.forward_layout(step.layout.to(self.device)) if logits is None else logits
         plan = step.plan
         try:
             logits = self.graphs.step(step.layout, plan) if self.graphs is not None else None
@@ -150,9 +161,7 @@ class RankingEngine:
         except BaseException:
             self.cache.abort(plan)
             raise
-        self.cache.commit(plan)
-        return StepResult(logits, cached_tokens=sum(plan.cached_lengths), onboarded_tokens=sum(plan.onboard_tokens),
-                          computed_tokens=sum(plan.new_lengths))
+        return logits
 
     def discard(self, step: PreparedStep) -> None:
         """Roll back a prepared step that will not run (its cache step is aborted)."""

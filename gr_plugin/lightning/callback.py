@@ -1,13 +1,20 @@
 """`KVCacheCallback`: the KV cache around Lightning's validate / test / predict loops.
 
-Owns a `KVCacheModule` for the stages it serves: builds it on the LightningModule's device at the
-first batch, begins a cache step before each batch (lookup, allocate, onboard), commits it after
-the batch or aborts it on an exception, and logs ``kvcache/<stage>/hit_rate``, tokens reused and
-computed, and bytes moved. The sanity check's batches are forgotten. During ``fit`` the weights
-change between validations, so each validation epoch uses a new namespace (old K/V are never read)
-and starts empty. Its ``state_dict`` holds statistics only. The LightningModule must expose
-``model`` (an `HSTURanker`) and the attributes ``kv_cache``/``kv_plan`` (see `HSTURankingModule`);
-without this callback it runs the full pass.
+Owns a `KVCacheModule` and the `RankingEngine` that runs its steps, for the stages it serves:
+builds them on the LightningModule's device at the first batch, prepares a cache step before each
+batch (`RankingEngine.prepare`: id checks, lookup, allocate, onboard, the token layout on the
+host), commits it after the batch or aborts it on an exception, and logs
+``kvcache/<stage>/hit_rate``, tokens reused and computed, and bytes moved. On CUDA the cached steps
+replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`), as a server's
+engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
+batches are forgotten. During ``fit`` the weights change between validations, so each validation
+epoch uses a new namespace (old K/V are never read) and starts empty, and its graphs are dropped at
+its end (their memory goes back to training). Its ``state_dict`` holds statistics only.
+
+The LightningModule must expose ``model`` (an `HSTURanker`). Before each batch the callback sets
+``kv_engine`` and ``kv_step`` (score with ``kv_engine.forward(kv_step)``, see
+`HSTURankingModule.score`) and ``kv_cache``/``kv_plan`` (the same step for a module that runs
+``model.forward_cached`` itself, eagerly); without this callback the module runs the full pass.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
-from gr_plugin.inference.inputs import batch_cache_keys, host_batch
+from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
 
 logger = logging.getLogger(__name__)
@@ -41,12 +48,15 @@ class KVCacheCallback(Callback):
         dtype: cache dtype (default: the model's parameter dtype).
         namespace: identity salt (model name/version).
         stages: which of validate/test/predict use the cache.
+        cuda_graphs: on CUDA, replay the cached steps as CUDA graphs per shape bucket where the model
+            supports it (`CachedStackGraphs.supported`); each bucket is captured the second time its
+            shape is seen, earlier steps and unsupported models run eagerly. Same logits either way.
     """
 
     def __init__(self, backend: str = "native", *, page_size: int = 32, num_pages: int = 1024,
                  host_cache_gb: float = 0.25, dtype: str | None = None, namespace: str = "gr_plugin",
                  write_through: bool = True, stages: tuple[str, ...] = _STAGES,
-                 tiers: TierConfig | None = None) -> None:
+                 tiers: TierConfig | None = None, cuda_graphs: bool = True) -> None:
         super().__init__()
         for s in stages:
             if s not in _STAGES:
@@ -54,7 +64,10 @@ class KVCacheCallback(Callback):
         self.backend, self.page_size, self.num_pages = backend, page_size, num_pages
         self.host_cache_gb, self.dtype, self.namespace = host_cache_gb, dtype, namespace
         self.write_through, self.stages, self.tiers = write_through, tuple(stages), tiers
+        self.cuda_graphs = cuda_graphs
         self.cache: KVCacheModule | None = None
+        self.engine: RankingEngine | None = None
+        self._weights: tuple[int, ...] = ()  # the addresses the engine's graphs read the weights at
         self.metrics: dict[str, dict[str, float]] = {}
         self._fallbacks = 0
         self._epoch_start: dict[str, Any] = {}
@@ -78,11 +91,20 @@ class KVCacheCallback(Callback):
         if stage not in self.stages:
             return
         if self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device:
-            self.cache = self._build(pl_module)
-        # NOTE: object.__setattr__ keeps the cache out of the module's children (no DDP buffer
-        # broadcast, no summary entry); it holds no weights.
-        object.__setattr__(pl_module, "kv_cache", self.cache)
-        object.__setattr__(pl_module, "kv_plan", None)
+            self.cache, self.engine = self._build(pl_module), None
+        weights = tuple(t.data_ptr() for t in pl_module.model.state_dict(keep_vars=True).values())
+        if self.engine is None or self.engine.model is not pl_module.model or weights != self._weights:
+            # NOTE: graphs read the weights where they were captured: weights moved (e.g. a
+            # ``load_state_dict(assign=True)``) need new graphs; the K/V are kept, as without graphs
+            # (``namespace`` names the weights that computed them).
+            self.engine = RankingEngine(pl_module.model, self.cache, self.cache.kv_table.device,
+                                        cuda_graphs=self.cuda_graphs)
+            self._weights = weights
+        # NOTE: object.__setattr__ keeps the cache and the engine out of the module's children (no
+        # DDP buffer broadcast, no summary entry); they hold no weights of their own.
+        for name, value in (("kv_cache", self.cache), ("kv_engine", self.engine), ("kv_plan", None),
+                            ("kv_step", None)):
+            object.__setattr__(pl_module, name, value)
         self._epoch_start[stage] = self._snapshot()
 
     def _snapshot(self) -> dict[str, Any]:
@@ -90,24 +112,25 @@ class KVCacheCallback(Callback):
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
 
     def _detach(self, pl_module: L.LightningModule) -> None:
-        object.__setattr__(pl_module, "kv_cache", None)
-        object.__setattr__(pl_module, "kv_plan", None)
+        for name in ("kv_cache", "kv_engine", "kv_plan", "kv_step"):
+            object.__setattr__(pl_module, name, None)
 
     # ------------------------------------------------------------------ per batch
     def _begin(self, pl_module: L.LightningModule, batch: Any) -> None:
-        if getattr(pl_module, "kv_cache", None) is None:
+        if getattr(pl_module, "kv_engine", None) is None:
             return
-        host = host_batch(batch)
-        plan = self.cache.begin(host.user_ids.tolist(), host.history_lengths.tolist(), batch_cache_keys(host))
-        if plan is None:
+        step = self.engine.prepare(batch)
+        if step.fell_back:
             self._fallbacks += 1
-        object.__setattr__(pl_module, "kv_plan", plan)
+        object.__setattr__(pl_module, "kv_step", step)
+        object.__setattr__(pl_module, "kv_plan", step.plan)
 
     def _end(self, pl_module: L.LightningModule) -> None:
         plan = getattr(pl_module, "kv_plan", None)
+        object.__setattr__(pl_module, "kv_step", None)
         if plan is not None:
-            self.cache.commit(plan)
             object.__setattr__(pl_module, "kv_plan", None)
+            self.cache.commit(plan)
 
     def _epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str, log: bool) -> None:
         if self.cache is None or stage not in self._epoch_start:
@@ -169,6 +192,8 @@ class KVCacheCallback(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_end(trainer, pl_module, "validate", log=not trainer.sanity_checking)
         self._detach(pl_module)
+        if trainer.state.fn == "fit" and self.engine is not None and self.engine.graphs is not None:
+            self.engine.graphs.clear()  # training follows: give its memory back
 
     @override
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -189,7 +214,8 @@ class KVCacheCallback(Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         plan = getattr(pl_module, "kv_plan", None)
-        if plan is not None and self.cache is not None:
+        # (a failure inside `RankingEngine.forward` has aborted the step already)
+        if plan is not None and self.cache is not None and plan.state == "allocated":
             logger.warning("aborting the cache step of the failed batch: %r", exception)
             self.cache.abort(plan)
         self._detach(pl_module)

@@ -2,8 +2,9 @@
 
 Owns the loss (BCE over the two tasks: liked, watched), the optimiser and the metrics (AUC per
 task; NDCG@10 and HR@10 of the "watched" logit within each request). It runs the full pass unless a
-`KVCacheCallback` has prepared a cache step for the current batch (``kv_cache`` and ``kv_plan``),
-in which case it runs the cached pass; it works unchanged without the callback.
+`KVCacheCallback` has prepared a cache step for the current batch (``kv_engine`` and ``kv_step``;
+or ``kv_cache`` and ``kv_plan`` set by hand), in which case it runs the cached pass; it works
+unchanged without the callback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalNormalizedDCG
 
 from gr_plugin.data import RequestBatch
+from gr_plugin.inference import PreparedStep, RankingEngine
 from gr_plugin.inference.inputs import batch_to_kjts, host_batch
 from gr_plugin.modules import HSTUConfig, HSTURanker, KVCacheModule
 
@@ -42,7 +44,10 @@ class HSTURankingModule(L.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.val_metrics = _metrics("val/")
         self.test_metrics = _metrics("test/")
-        # Set by KVCacheCallback around each evaluation batch; None: the full pass.
+        # Set by KVCacheCallback around each evaluation batch (the step's engine and its prepared
+        # step; its cache and plan); None: the full pass.
+        self.kv_engine: RankingEngine | None = None
+        self.kv_step: PreparedStep | None = None
         self.kv_cache: KVCacheModule | None = None
         self.kv_plan = None
         self._requests_seen = 0
@@ -53,6 +58,8 @@ class HSTURankingModule(L.LightningModule):
 
     def score(self, batch: RequestBatch) -> torch.Tensor:
         """Candidate logits ``[sum(C), 2]``: cached when a cache step is prepared, else full."""
+        if self.kv_engine is not None and self.kv_step is not None:
+            return self.kv_engine.forward(self.kv_step)  # (its full pass where the cache fell back)
         history, candidates = batch_to_kjts(batch)
         if self.kv_cache is not None and self.kv_plan is not None:
             cand = host_batch(batch).candidate_lengths

@@ -434,6 +434,17 @@ class GraphBuckets:
             self.replays += 1
             return logits[:rows].clone()
 
+    def clear(self) -> None:
+        """Drop every captured bucket, its graphs and static buffers (their memory goes back to the
+        caching allocator once queued replays have run, as `_make_room` says) and the counts of shapes
+        seen, e.g. when a Lightning fit trains between validations; later steps capture again. Keys
+        whose capture failed stay eager; `CachedStackGraphs` keeps its scratch page."""
+        if self._buckets:
+            logger.info("dropping %d captured buckets", len(self._buckets))
+        self._buckets.clear()
+        self._seen.clear()
+        self._pool = None
+
     def _capture_failed(self, key: tuple, exc: BaseException) -> None:
         logger.warning("capturing bucket %s failed (%s): it runs eagerly from now on", key, exc)
         del self._buckets[key]

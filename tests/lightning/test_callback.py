@@ -3,6 +3,7 @@
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from gr_plugin.data import RecDataModule
 from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
@@ -90,3 +91,79 @@ def test_a_failing_step_rolls_the_cache_back():
 def test_unknown_stage_is_rejected():
     with pytest.raises(ValueError, match="'fit'"):
         KVCacheCallback(stages=("fit",))
+
+
+def _loader(batches):
+    return DataLoader(batches, batch_size=None)  # (the batches as they are)
+
+
+def _predict_scores(t, module, batches):
+    return torch.cat([o["scores"] for o in t.predict(module, _loader(batches))])
+
+
+def test_the_engine_is_kept_while_the_weights_stay_and_rebuilt_when_they_move():
+    dm, module = tiny_setup(4)
+    dm.setup("predict")
+    batches = list(dm.predict_dataloader())
+    plain = _predict_scores(trainer(), module, batches)
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=512)
+    assert cb.cuda_graphs  # (the default; on the CPU the engine has no graphs and runs eagerly)
+    first = _predict_scores(trainer([cb]), module, batches[:3])
+    engine = cb.engine
+    assert engine is not None and engine.graphs is None and engine.cache is cb.cache
+    rest = _predict_scores(trainer([cb]), module, batches[3:])
+    assert cb.engine is engine  # same weights: same engine (and graphs, on CUDA)
+    assert (torch.cat([first, rest]) - plain).abs().max() <= 1e-5
+    assert cb.metrics["predict"]["tokens_reused"] > 0
+    # weights that moved (new tensors, same values): a new engine over the same cache, whose K/V stay
+    module.model.load_state_dict({k: v.clone() for k, v in module.model.state_dict().items()}, assign=True)
+    again = _predict_scores(trainer([cb]), module, batches)
+    assert cb.engine is not engine and cb.engine.cache is cb.cache
+    assert (again - plain).abs().max() <= 1e-5
+    assert cb.metrics["predict"]["hit_rate"] > 0.5  # every user's history came back from the cache
+
+
+def test_a_failure_inside_the_cached_pass_aborts_the_step_once():
+    dm, module = tiny_setup(5)
+    cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
+    calls = {"n": 0}
+    original = module.model.forward_cached
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("kernel failed mid-step")
+        return original(*args, **kwargs)
+
+    module.model.forward_cached = flaky
+    with pytest.raises(RuntimeError, match="kernel failed mid-step"):
+        trainer([cb]).predict(module, datamodule=dm)
+    cb.cache.manager.check()
+    assert cb.cache.manager.stats()["plans_in_flight"] == 0
+    assert cb.cache.manager.counters.aborts == 1  # by the engine; the callback's hook saw it aborted
+    assert module.kv_engine is None and module.kv_step is None
+
+
+def test_a_batch_with_an_unknown_item_is_refused_before_the_cache_changes():
+    dm, module = tiny_setup(6)
+    dm.setup("predict")
+    good, bad = list(dm.predict_dataloader())[:2]
+    bad.candidate_items[0] = 41  # the model has 40 items: ids 1..40
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=256)
+    with pytest.raises(ValueError, match=r"candidate item id 41 is outside the table range \[1, 40\]"):
+        trainer([cb]).predict(module, _loader([good, bad]))
+    m = cb.cache.manager
+    m.check()
+    stats = m.stats()
+    assert stats["plans_in_flight"] == 0 and m.counters.aborts == 0
+    assert stats["device_users"] == good.batch_size  # the good batch's users, committed; nothing of the bad one
+
+
+def test_a_batch_that_does_not_fit_runs_the_full_pass_and_counts_a_fallback():
+    dm, module = tiny_setup(7)
+    plain = torch.cat([o["scores"] for o in trainer().predict(module, datamodule=dm)])
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=6)  # 24 slots: no batch of 4 users fits
+    cached = torch.cat([o["scores"] for o in trainer([cb]).predict(module, datamodule=dm)])
+    assert (plain - cached).abs().max() <= 1e-5
+    assert cb.metrics["predict"]["fallbacks"] == len(dm.predict_dataloader())
+    assert cb.metrics["predict"]["tokens_reused"] == 0 and cb.cache.manager.stats()["plans_in_flight"] == 0
