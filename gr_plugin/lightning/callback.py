@@ -9,7 +9,8 @@ replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`)
 engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
 batches are forgotten. During ``fit`` the weights change between validations, so each validation
 epoch uses a new namespace (old K/V are never read) and starts empty, and its graphs are dropped at
-its end (their memory goes back to training). Its ``state_dict`` holds statistics only.
+its end (their memory goes back to training); as Lightning moves the module off the device between
+trainer calls, each call captures its graphs again. Its ``state_dict`` holds statistics only.
 
 The LightningModule must expose ``model`` (an `HSTURanker`). Before each batch the callback sets
 ``kv_engine`` and ``kv_step`` (score with ``kv_engine.forward(kv_step)``, see
@@ -93,13 +94,15 @@ class KVCacheCallback(Callback):
         if self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device:
             self.cache, self.engine = self._build(pl_module), None
         weights = tuple(t.data_ptr() for t in pl_module.model.state_dict(keep_vars=True).values())
-        if self.engine is None or self.engine.model is not pl_module.model or weights != self._weights:
-            # NOTE: graphs read the weights where they were captured: weights moved (e.g. a
-            # ``load_state_dict(assign=True)``) need new graphs; the K/V are kept, as without graphs
-            # (``namespace`` names the weights that computed them).
+        if self.engine is None or self.engine.model is not pl_module.model:
             self.engine = RankingEngine(pl_module.model, self.cache, self.cache.kv_table.device,
                                         cuda_graphs=self.cuda_graphs)
-            self._weights = weights
+        elif weights != self._weights and self.engine.graphs is not None:
+            # NOTE: graphs read the weights where they were captured, and Lightning moves the module
+            # to the CPU when a trainer call ends and back at the next call's start (new addresses):
+            # capture again. The K/V stay, as without graphs (``namespace`` names their weights).
+            self.engine.graphs.clear()
+        self._weights = weights
         # NOTE: object.__setattr__ keeps the cache and the engine out of the module's children (no
         # DDP buffer broadcast, no summary entry); they hold no weights of their own.
         for name, value in (("kv_cache", self.cache), ("kv_engine", self.engine), ("kv_plan", None),
@@ -224,6 +227,8 @@ class KVCacheCallback(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.cache is not None:
             self.cache.manager.offload_flush()
+        if self.engine is not None and self.engine.graphs is not None:
+            self.engine.graphs.clear()  # Lightning moves the module off the device now: the graphs' weights go
 
     # ------------------------------------------------------------------ checkpointing
     @override

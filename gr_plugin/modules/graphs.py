@@ -641,8 +641,8 @@ class CachedStackGraphs(GraphBuckets):
         runs eagerly (`GraphBuckets`: a bucket not made yet, or whose capture failed; or no
         scratch page yet). ``layout`` must be the one built on the host for ``plan``
         (`RankingEngine.prepare` keeps it there). Graphs hold the addresses of the cache's table
-        and the model's weights: a moved cache drops them (they are captured again); moving the
-        model's weights needs a new `CachedStackGraphs`."""
+        and the model's weights: a moved cache drops them (they are captured again); after the
+        model's weights move, `clear` them."""
         meta = plan.metadata
         if layout.q_offsets.device.type != "cpu":
             raise ValueError(f"CachedStackGraphs.step needs the layout built on the host, got one on "

@@ -49,12 +49,17 @@ def test_predict_replays_graphs_and_matches_the_full_pass(dtype):
     assert eager_cb.engine.graphs is None
     assert graphs is not None and graphs.captures > 0 and graphs.replays > 0, (graphs.captures, graphs.replays)
     assert graph_cb.metrics["predict"]["hit_rate"] > 0.3 and graph_cb.metrics["predict"]["fallbacks"] == 0
+    # a second call: Lightning moved the weights to the CPU at the first one's end and back now, so the
+    # same graphs object captures again (keeping its one scratch page) and reads the weights' new addresses
+    scratch, captured = graphs._scratch, graphs.captures
+    again = _scores(module, dm, [graph_cb])
+    assert graph_cb.engine.graphs is graphs and graphs._scratch == scratch and graphs.captures > captured
     errs = {name: (s - oracle).abs().max().item() for name, s in
-            (("full", full), ("eager", eager), ("graphed", graphed))}
+            (("full", full), ("eager", eager), ("graphed", graphed), ("again", again))}
     if dtype == torch.float32:
         assert max(errs.values()) <= 1e-4, errs
     else:  # bf16: each cached way no worse than 2x the full pass in the same precision
-        assert errs["eager"] <= 2 * errs["full"] + 1e-3 and errs["graphed"] <= 2 * errs["full"] + 1e-3, errs
+        assert max(errs[k] for k in ("eager", "graphed", "again")) <= 2 * errs["full"] + 1e-3, errs
 
 
 def test_fit_drops_the_graphs_after_each_validation_and_validate_captures_again():

@@ -101,7 +101,22 @@ def _predict_scores(t, module, batches):
     return torch.cat([o["scores"] for o in t.predict(module, _loader(batches))])
 
 
-def test_the_engine_is_kept_while_the_weights_stay_and_rebuilt_when_they_move():
+class _GraphsSpy:
+    """Stands in for an engine's `CachedStackGraphs` on the CPU: declines every step (the eager step
+    runs) and counts `clear` calls."""
+
+    def __init__(self):
+        self.steps = self.cleared = 0
+
+    def step(self, layout, plan):
+        self.steps += 1
+        return None
+
+    def clear(self):
+        self.cleared += 1
+
+
+def test_the_engine_is_kept_across_calls_and_its_graphs_cleared_when_the_weights_move():
     dm, module = tiny_setup(4)
     dm.setup("predict")
     batches = list(dm.predict_dataloader())
@@ -111,14 +126,20 @@ def test_the_engine_is_kept_while_the_weights_stay_and_rebuilt_when_they_move():
     first = _predict_scores(trainer([cb]), module, batches[:3])
     engine = cb.engine
     assert engine is not None and engine.graphs is None and engine.cache is cb.cache
+    engine.graphs = spy = _GraphsSpy()
     rest = _predict_scores(trainer([cb]), module, batches[3:])
-    assert cb.engine is engine  # same weights: same engine (and graphs, on CUDA)
+    assert cb.engine is engine and spy.steps == len(batches) - 3
+    assert spy.cleared == 1  # by the call's teardown (Lightning moves the module off the device then)
     assert (torch.cat([first, rest]) - plain).abs().max() <= 1e-5
     assert cb.metrics["predict"]["tokens_reused"] > 0
-    # weights that moved (new tensors, same values): a new engine over the same cache, whose K/V stay
+    # weights that moved (new tensors, same values): the same engine and cache, its graphs cleared
+    # before the first step (and at the teardown), the K/V kept
     module.model.load_state_dict({k: v.clone() for k, v in module.model.state_dict().items()}, assign=True)
+    seen = []
+    spy.step = lambda layout, plan: seen.append(spy.cleared)
     again = _predict_scores(trainer([cb]), module, batches)
-    assert cb.engine is not engine and cb.engine.cache is cb.cache
+    assert cb.engine is engine and cb.engine.cache is cb.cache
+    assert seen[0] == 2 and spy.cleared == 3
     assert (again - plain).abs().max() <= 1e-5
     assert cb.metrics["predict"]["hit_rate"] > 0.5  # every user's history came back from the cache
 
