@@ -94,7 +94,8 @@ def make_callback(opts: KVCacheOptions | None) -> KVCacheCallback | None:
     tiers = tier_config(opts) if backend == "flexkv" else None
     return KVCacheCallback(backend, page_size=opts.page_size, num_pages=opts.num_pages,
                            host_cache_gb=tiers.cpu_cache_gb if tiers else opts.host_cache_gb, dtype=opts.dtype,
-                           namespace=opts.namespace, write_through=opts.write_through, tiers=tiers)
+                           namespace=opts.namespace, write_through=opts.write_through, tiers=tiers,
+                           cuda_graphs=opts.cuda_graphs)
 
 
 def load_module(path: str | Path, expected: HSTUConfig) -> HSTURankingModule:

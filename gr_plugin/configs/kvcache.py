@@ -21,7 +21,9 @@ class KVCacheOptions:
     """``backend``: ``none`` (recompute everything: the oracle), ``gpu`` (device pages),
     ``native`` (device pages + pinned host tier), ``flexkv`` (device + host + SSD + remote tiers).
     ``num_pages`` device pages of ``page_size`` tokens; ``host_cache_gb`` of host memory;
-    ``dtype`` null = the model's dtype; ``namespace`` salts identities (model name/version).
+    ``dtype`` null = the model's dtype; ``namespace`` salts identities (model name/version);
+    ``cuda_graphs``: `KVCacheCallback` replays the cached steps as CUDA graphs on CUDA (Lightning
+    evaluation in ``recipes.train``).
     ``flexkv`` reads its tiers from ``tiers`` (FlexKV's keys: ``cpu_cache_gb`` replaces
     ``host_cache_gb``, ``ssd_cache_gb``, ``ssd_cache_dir``, ``enable_3rd_remote``, ...) or, when
     ``tier_config`` names one, from a FlexKV tier YAML file (its keys override ``tiers``)."""
@@ -33,6 +35,7 @@ class KVCacheOptions:
     dtype: str | None = None
     namespace: str = "gr_plugin"
     write_through: bool = True
+    cuda_graphs: bool = True
     tiers: TierConfig = dataclasses.field(default_factory=TierConfig)
     tier_config: str | None = None
 

@@ -42,3 +42,14 @@ def test_another_hydra_app_can_use_the_packaged_kvcache_group(tmp_path):
         assert cfg.lr == 0.1 and cfg.kvcache.backend == "native" and cfg.kvcache.host_cache_gb == 1.0
         with pytest.raises(ConfigCompositionException):
             compose(config_name="app", overrides=["+kvcache=native", "kvcache.num_pagez=3"])
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_callback_gets_the_cuda_graphs_option(graphs):
+    from gr_plugin.apps.common import make_callback
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+kvcache=native", f"kvcache.cuda_graphs={graphs}",
+                                                       "kvcache.page_size=16"])
+    cb = make_callback(OmegaConf.to_object(cfg).kvcache)
+    assert cb.cuda_graphs is graphs and cb.page_size == 16 and cb.backend == "native"
