@@ -84,7 +84,7 @@ def worst_diff(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
-def _other_users(batches: list, offset: int) -> list:
+def other_users(batches: list, offset: int) -> list:
     """The same batches for other users (ids shifted by ``offset``): same shapes, no shared pages."""
     return [dataclasses.replace(b, user_ids=b.user_ids + offset) for b in batches]
 
@@ -171,7 +171,7 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
         warm_s = 0.0
         if warm_pass:
             t0 = time.perf_counter()
-            for batch in _other_users(batches, 1 << 20):
+            for batch in other_users(batches, 1 << 20):
                 for engine in engines.values():
                     engine.score(batch)
             if cuda:

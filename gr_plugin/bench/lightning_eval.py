@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from gr_plugin.bench.e2e import _other_users, stream, stream_model
+from gr_plugin.bench.e2e import other_users, stream, stream_model
 from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
 
 COLUMNS = ["batch", "requests", "batches", "full_req_s", "eager_req_s", "graph_req_s", "eager_x", "graph_x",
@@ -71,7 +71,7 @@ def run(batch_sizes=(1, 8), num_users: int = 24, min_len: int = 256, max_len: in
     rows = []
     for bs in batch_sizes:
         batches = stream(bs, num_users, min_len, max_len, stride, num_candidates)
-        warm = _other_users(batches, 1 << 20)
+        warm = other_users(batches, 1 << 20)
         row: dict[str, Any] = {"batch": bs, "requests": sum(b.batch_size for b in batches), "batches": len(batches)}
         full = None
         for way in ("full", "eager", "graph"):

@@ -71,6 +71,9 @@ class BatchPlan:
     onboard_src: list[tuple[int, int, torch.Tensor]]  # (batch index, first page, host slots)
     onboard_handle: CopyHandle | None = None
     state: str = "allocated"
+    # the layers whose new K/V a forward pass has written (`KVCacheModule.forward`; a graph replay,
+    # `RankingEngine.forward`): `KVCacheCallback` commits a step only when every layer is here
+    appended_layers: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def batch_size(self) -> int:

@@ -155,7 +155,9 @@ class RankingEngine:
         plan = step.plan
         try:
             logits = self.graphs.step(step.layout, plan) if self.graphs is not None else None
-            if logits is None:
+            if logits is not None:  # (the replay wrote every layer's K/V; the eager pass marks its own)
+                plan.appended_layers.update(range(len(self.model.layers)))
+            else:
                 logits = self.model.forward_cached(step.history, step.candidates, self.cache, plan,
                                                    layout=step.layout.to(self.device))
         except BaseException:

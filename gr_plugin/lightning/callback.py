@@ -1,9 +1,11 @@
 """`KVCacheCallback`: the KV cache around Lightning's validate / test / predict loops.
 
 Owns a `KVCacheModule` and the `RankingEngine` that runs its steps, for the stages it serves:
-builds them on the LightningModule's device at the first batch, prepares a cache step before each
-batch (`RankingEngine.prepare`: id checks, lookup, allocate, onboard, the token layout on the
-host), commits it after the batch or aborts it on an exception, and logs
+builds them on the LightningModule's device at the first batch (again for another model object,
+whose users' K/V start empty), prepares a cache step before each batch (`RankingEngine.prepare`: id
+checks, lookup, allocate, onboard, the token layout on the host), commits it after the batch if a
+forward pass wrote its every layer (else aborts it: the next visit misses instead of reading
+unwritten pages), aborts it on an exception, and logs
 ``kvcache/<stage>/hit_rate``, tokens reused and computed, and bytes moved. On CUDA the cached steps
 replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`), as a server's
 engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
@@ -84,25 +86,31 @@ class KVCacheCallback(Callback):
                               device=str(param.device), namespace=self.namespace)
         host_bytes = int(self.host_cache_gb * (1 << 30)) if self.backend != "gpu" else 0
         probe.host_cache_bytes = host_bytes
-        cache = KVCacheModule(probe, self.backend, write_through=self.write_through, tiers=self.tiers)
+        # NOTE: Lightning's evaluation runs under inference mode; tensors made there could never be
+        # written outside it (fit's validation runs under no_grad) nor by the offload's copy thread.
+        with torch.inference_mode(False):
+            cache = KVCacheModule(probe, self.backend, write_through=self.write_through, tiers=self.tiers)
         logger.info("KV cache on %s: %s", param.device, cache.extra_repr())
         return cache
 
     def _attach(self, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in self.stages:
             return
-        if self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device:
-            self.cache, self.engine = self._build(pl_module), None
-        weights = tuple(t.data_ptr() for t in pl_module.model.state_dict(keep_vars=True).values())
-        if self.engine is None or self.engine.model is not pl_module.model:
-            self.engine = RankingEngine(pl_module.model, self.cache, self.cache.kv_table.device,
-                                        cuda_graphs=self.cuda_graphs)
-        elif weights != self._weights and self.engine.graphs is not None:
-            # NOTE: graphs read the weights where they were captured, and Lightning moves the module
-            # to the CPU when a trainer call ends and back at the next call's start (new addresses):
-            # capture again. The K/V stay, as without graphs (``namespace`` names their weights).
-            self.engine.graphs.clear()
-        self._weights = weights
+        model = pl_module.model
+        if (self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device
+                or self.engine is None or self.engine.model is not model):
+            # NOTE: another model (e.g. loaded from a checkpoint) has other weights: its users' K/V
+            # start empty, and the new engine's graphs take a scratch page of the new cache.
+            self.cache = self._build(pl_module)
+            self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
+        if self.engine.graphs is not None:
+            weights = tuple(t.data_ptr() for t in model.state_dict(keep_vars=True).values())
+            if weights != self._weights:
+                # NOTE: graphs read the weights where they were captured, and Lightning moves the module
+                # to the CPU when a trainer call ends and back at the next call's start (new addresses):
+                # capture again. The K/V stay, as without graphs (``namespace`` names their weights).
+                self._drop_graphs()
+            self._weights = weights
         # NOTE: object.__setattr__ keeps the cache and the engine out of the module's children (no
         # DDP buffer broadcast, no summary entry); they hold no weights of their own.
         for name, value in (("kv_cache", self.cache), ("kv_engine", self.engine), ("kv_plan", None),
@@ -113,6 +121,12 @@ class KVCacheCallback(Callback):
     def _snapshot(self) -> dict[str, Any]:
         stats = self.cache.manager.stats()
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
+
+    def _drop_graphs(self) -> None:
+        """Drop the engine's captured graphs (`GraphBuckets.clear`), which read the weights at their
+        current addresses: before Lightning moves the module, and before training reuses the memory."""
+        if self.engine is not None and self.engine.graphs is not None:
+            self.engine.graphs.clear()
 
     def _detach(self, pl_module: L.LightningModule) -> None:
         for name in ("kv_cache", "kv_engine", "kv_plan", "kv_step"):
@@ -131,9 +145,21 @@ class KVCacheCallback(Callback):
     def _end(self, pl_module: L.LightningModule) -> None:
         plan = getattr(pl_module, "kv_plan", None)
         object.__setattr__(pl_module, "kv_step", None)
-        if plan is not None:
-            object.__setattr__(pl_module, "kv_plan", None)
+        if plan is None:
+            return
+        # NOTE: commit (or abort) before letting go of the plan: if it raises, `on_exception` aborts it.
+        if plan.state != "allocated":
+            pass  # aborted by `RankingEngine.forward`'s failure, which the module caught
+        elif len(plan.appended_layers) < self.cache.config.num_layers:
+            # NOTE: the module scored the batch without the prepared step (neither ``kv_engine.forward``
+            # nor ``forward_cached``): its pages hold nothing of the new events, so publishing them would
+            # serve wrong K/V to the users' next visits. Aborted: a miss next time, never a wrong answer.
+            logger.warning("the batch's cache step ran %d of %d layers: aborted, not committed",
+                           len(plan.appended_layers), self.cache.config.num_layers)
+            self.cache.abort(plan)
+        else:
             self.cache.commit(plan)
+        object.__setattr__(pl_module, "kv_plan", None)
 
     def _epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str, log: bool) -> None:
         if self.cache is None or stage not in self._epoch_start:
@@ -195,8 +221,8 @@ class KVCacheCallback(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_end(trainer, pl_module, "validate", log=not trainer.sanity_checking)
         self._detach(pl_module)
-        if trainer.state.fn == "fit" and self.engine is not None and self.engine.graphs is not None:
-            self.engine.graphs.clear()  # training follows: give its memory back
+        if trainer.state.fn == "fit":
+            self._drop_graphs()  # training follows: give it the memory back
 
     @override
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -222,13 +248,13 @@ class KVCacheCallback(Callback):
             logger.warning("aborting the cache step of the failed batch: %r", exception)
             self.cache.abort(plan)
         self._detach(pl_module)
+        self._drop_graphs()  # (Lightning's teardown after an exception skips the callbacks' `teardown`)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.cache is not None:
             self.cache.manager.offload_flush()
-        if self.engine is not None and self.engine.graphs is not None:
-            self.engine.graphs.clear()  # Lightning moves the module off the device now: the graphs' weights go
+        self._drop_graphs()  # Lightning moves the module off the device now
 
     # ------------------------------------------------------------------ checkpointing
     @override

@@ -119,6 +119,7 @@ class KVCacheModule(nn.Module):
         else:
             self.manager.check_append(layer, k, v, plan, rows=layout.new_rows)
             q, k, v = silu_append_kv(self.kv_table[layer], q, k, v, meta.new_token_slots, layout.new_rows)
+        plan.appended_layers.add(layer)
         return paged_hstu_attention(
             q, k, v, self.kv_table[layer], meta.kv_indices, meta.kv_indptr, meta.total_lengths,
             layout.q_offsets, meta.new_lengths, alpha=alpha, n_norm=n_norm, max_q_len=layout.max_q_len,

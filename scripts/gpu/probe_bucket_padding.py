@@ -47,7 +47,7 @@ def main(batch_sizes, rounds=5):
             cache = KVCacheModule(kv, "gpu")
             engines[name] = RankingEngine(model, cache, device, cuda_graphs=True)
             caches.append(cache)
-            for b in e2e._other_users(batches, 1 << 20):  # warm: captures every bucket of the stream
+            for b in e2e.other_users(batches, 1 << 20):  # warm: captures every bucket of the stream
                 engines[name].score(b)
             cache.manager.evict_all()
         eager_cache = KVCacheModule(kv, "gpu")

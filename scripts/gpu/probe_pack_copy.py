@@ -48,7 +48,7 @@ def main(batch_sizes) -> None:
         batches = e2e.stream(bs, 24, 256, 4096, 128, 256)
         cache = KVCacheModule(e2e.stream_cache_config(dev, 24), "gpu")
         eng = RankingEngine(model, cache, dev, cuda_graphs=True)
-        for b in e2e._other_users(batches, 1 << 20):
+        for b in e2e.other_users(batches, 1 << 20):
             eng.score(b)
         for b in batches[: len(batches) // 2]:
             eng.score(b)

@@ -56,7 +56,7 @@ def main(batch_sizes):
         kv = e2e.stream_cache_config(torch.device("cuda"), 24)
         cache = KVCacheModule(kv, "gpu")
         eng = RankingEngine(model, cache, "cuda", cuda_graphs=True)
-        for b in e2e._other_users(batches, 1 << 20):  # compiles and captures, as the suite's warm pass
+        for b in e2e.other_users(batches, 1 << 20):  # compiles and captures, as the suite's warm pass
             eng.score(b)
         torch.cuda.synchronize()
         cache.manager.evict_all()

@@ -1,5 +1,3 @@
-import math
-
 from gr_plugin.bench import lightning_eval
 
 
@@ -13,5 +11,4 @@ def test_the_three_ways_agree_and_the_callback_reuses_the_history_on_cpu():
     assert row["graph_replays"] == 0 and row["captures_measured"] == 0  # no CUDA here: the eager step
     for way in ("full", "eager", "graph"):
         assert row[f"{way}_req_s"] > 0 and row[f"{way}_ms_p50"] > 0
-    assert math.isclose(row["graph_x"], row["graph_req_s"] / row["full_req_s"])
     assert set(row) <= set(lightning_eval.COLUMNS)

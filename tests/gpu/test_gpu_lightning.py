@@ -34,8 +34,9 @@ def _scores(module, dm, callbacks=()):
     return torch.cat([o["scores"] for o in _trainer(callbacks).predict(module, datamodule=dm)]).float()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_predict_replays_graphs_and_matches_the_full_pass(dtype):
+@pytest.mark.parametrize(("dtype", "backend"), [(torch.float32, "gpu"), (torch.bfloat16, "gpu"),
+                                              (torch.bfloat16, "native")])
+def test_predict_replays_graphs_and_matches_the_full_pass(dtype, backend):
     torch.backends.cuda.matmul.allow_tf32 = False
     dm, module = _setup()
     oracle = _scores(copy.deepcopy(module).float(), dm)  # fp32 full pass
@@ -43,12 +44,15 @@ def test_predict_replays_graphs_and_matches_the_full_pass(dtype):
     full = _scores(module, dm)
     eager_cb = KVCacheCallback("gpu", page_size=16, num_pages=512, cuda_graphs=False)
     eager = _scores(module, dm, [eager_cb])
-    graph_cb = KVCacheCallback("gpu", page_size=16, num_pages=512)
+    graph_cb = KVCacheCallback(backend, page_size=16, num_pages=512, host_cache_gb=0.05)
     graphed = _scores(module, dm, [graph_cb])
     graphs = graph_cb.engine.graphs
     assert eager_cb.engine.graphs is None
     assert graphs is not None and graphs.captures > 0 and graphs.replays > 0, (graphs.captures, graphs.replays)
     assert graph_cb.metrics["predict"]["hit_rate"] > 0.3 and graph_cb.metrics["predict"]["fallbacks"] == 0
+    if backend == "native":  # the write-through offload to the pinned host tier ran (a cache built in
+        stats = graph_cb.cache.manager.stats()  # inference mode could not be read by its copy thread)
+        assert stats["host_pages_written"] > 0 and stats["offload_failed"] == 0, stats
     # a second call: Lightning moved the weights to the CPU at the first one's end and back now, so the
     # same graphs object captures again (keeping its one scratch page) and reads the weights' new addresses
     scratch, captured = graphs._scratch, graphs.captures

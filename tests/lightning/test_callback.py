@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gr_plugin.data import RecDataModule
+from gr_plugin.inference import batch_to_kjts
 from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
 from gr_plugin.modules import HSTUConfig
 
@@ -116,20 +117,51 @@ class _GraphsSpy:
         self.cleared += 1
 
 
+class _DirtySpy(_GraphsSpy):
+    """`_GraphsSpy` that also says whether a step ran since the last `clear` (graphs captured then)."""
+
+    dirty = False
+
+    def step(self, layout, plan):
+        self.dirty = True
+        return super().step(layout, plan)
+
+    def clear(self):
+        self.dirty = False
+        super().clear()
+
+
+def _spy_engines(monkeypatch) -> list[_DirtySpy]:
+    """Every engine the callback builds from now on gets a `_DirtySpy` for graphs (listed)."""
+    import gr_plugin.lightning.callback as callback_mod
+
+    spies = []
+
+    class Engine(callback_mod.RankingEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.graphs = _DirtySpy()
+            spies.append(self.graphs)
+
+    monkeypatch.setattr(callback_mod, "RankingEngine", Engine)
+    return spies
+
+
 def test_the_engine_is_kept_across_calls_and_its_graphs_cleared_when_the_weights_move():
     dm, module = tiny_setup(4)
     dm.setup("predict")
     batches = list(dm.predict_dataloader())
     plain = _predict_scores(trainer(), module, batches)
     cb = KVCacheCallback("gpu", page_size=4, num_pages=512)
-    assert cb.cuda_graphs  # (the default; on the CPU the engine has no graphs and runs eagerly)
     first = _predict_scores(trainer([cb]), module, batches[:3])
     engine = cb.engine
     assert engine is not None and engine.graphs is None and engine.cache is cb.cache
     engine.graphs = spy = _GraphsSpy()
     rest = _predict_scores(trainer([cb]), module, batches[3:])
     assert cb.engine is engine and spy.steps == len(batches) - 3
-    assert spy.cleared == 1  # by the call's teardown (Lightning moves the module off the device then)
+    # at the call's start (the first weights this engine's graphs see) and by its teardown (Lightning
+    # moves the module off the device then)
+    assert spy.cleared == 2
     assert (torch.cat([first, rest]) - plain).abs().max() <= 1e-5
     assert cb.metrics["predict"]["tokens_reused"] > 0
     # weights that moved (new tensors, same values): the same engine and cache, its graphs cleared
@@ -139,12 +171,13 @@ def test_the_engine_is_kept_across_calls_and_its_graphs_cleared_when_the_weights
     spy.step = lambda layout, plan: seen.append(spy.cleared)
     again = _predict_scores(trainer([cb]), module, batches)
     assert cb.engine is engine and cb.engine.cache is cb.cache
-    assert seen[0] == 2 and spy.cleared == 3
+    assert seen[0] == 3 and spy.cleared == 4
     assert (again - plain).abs().max() <= 1e-5
     assert cb.metrics["predict"]["hit_rate"] > 0.5  # every user's history came back from the cache
 
 
-def test_a_failure_inside_the_cached_pass_aborts_the_step_once():
+def test_a_failure_inside_the_cached_pass_aborts_the_step_once_and_drops_the_graphs(monkeypatch):
+    spies = _spy_engines(monkeypatch)
     dm, module = tiny_setup(5)
     cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
     calls = {"n": 0}
@@ -163,6 +196,8 @@ def test_a_failure_inside_the_cached_pass_aborts_the_step_once():
     assert cb.cache.manager.stats()["plans_in_flight"] == 0
     assert cb.cache.manager.counters.aborts == 1  # by the engine; the callback's hook saw it aborted
     assert module.kv_engine is None and module.kv_step is None
+    # (Lightning skips the callbacks' teardown after an exception: `on_exception` drops the graphs)
+    assert len(spies) == 1 and spies[0].steps == 2 and not spies[0].dirty
 
 
 def test_a_batch_with_an_unknown_item_is_refused_before_the_cache_changes():
@@ -188,3 +223,78 @@ def test_a_batch_that_does_not_fit_runs_the_full_pass_and_counts_a_fallback():
     assert (plain - cached).abs().max() <= 1e-5
     assert cb.metrics["predict"]["fallbacks"] == len(dm.predict_dataloader())
     assert cb.metrics["predict"]["tokens_reused"] == 0 and cb.cache.manager.stats()["plans_in_flight"] == 0
+
+
+def test_fit_trains_with_no_graphs_held_from_a_validation(monkeypatch):
+    spies = _spy_engines(monkeypatch)
+
+    class Probe(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.append(spies[-1].dirty)
+
+    dm, module = tiny_setup(8)
+    cb, probe = KVCacheCallback("gpu", page_size=4, num_pages=512), Probe()
+    t = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[cb, probe], max_epochs=2, limit_train_batches=2,
+                  limit_val_batches=4, num_sanity_val_steps=2)
+    t.fit(module, datamodule=dm)
+    assert len(spies) == 1 and spies[0].steps == 2 + 2 * 4  # the sanity check's batches and two validations'
+    assert probe.seen == [False] * 4  # every training batch: the last validation's graphs dropped
+
+
+def test_a_module_that_scores_without_the_prepared_step_gets_it_aborted_not_committed():
+    dm, module = tiny_setup(9)
+    plain = torch.cat([o["scores"] for o in trainer().predict(module, datamodule=dm)])
+    original = module.predict_step
+
+    def predict_step(batch, batch_idx):
+        if batch_idx % 2 == 0:  # the full pass, ignoring the callback's step: its pages stay unwritten
+            scores = torch.sigmoid(module.model(*batch_to_kjts(batch)))
+            return {"user_ids": batch.user_ids, "candidate_lengths": batch.candidate_lengths, "scores": scores}
+        return original(batch, batch_idx)
+
+    module.predict_step = predict_step
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=512)
+    cached = torch.cat([o["scores"] for o in trainer([cb]).predict(module, datamodule=dm)])
+    assert (plain - cached).abs().max() <= 1e-5  # no later hit read the unwritten pages
+    m = cb.cache.manager
+    assert m.counters.aborts == len(dm.predict_dataloader()) // 2 + len(dm.predict_dataloader()) % 2
+    assert cb.metrics["predict"]["tokens_reused"] > 0 and m.stats()["plans_in_flight"] == 0
+
+
+def test_a_module_that_runs_forward_cached_itself_still_works():
+    """The protocol before the callback's engine: ``kv_cache``/``kv_plan`` and ``model.forward_cached``."""
+
+    class OwnPass(HSTURankingModule):
+        def score(self, batch):
+            history, candidates = batch_to_kjts(batch)
+            if self.kv_cache is not None and self.kv_plan is not None:
+                return self.model.forward_cached(history, candidates, self.kv_cache, self.kv_plan)
+            return self.model(history, candidates)
+
+    dm, module = tiny_setup(10)
+    plain = torch.cat([o["scores"] for o in trainer().predict(module, datamodule=dm)])
+    own = OwnPass(module.model.config)
+    own.load_state_dict(module.state_dict())
+    cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
+    cached = torch.cat([o["scores"] for o in trainer([cb]).predict(own, datamodule=dm)])
+    assert (plain - cached).abs().max() <= 1e-5
+    assert cb.metrics["predict"]["hit_rate"] > 0.3 and cb.cache.manager.counters.aborts == 0
+
+
+def test_predict_then_fit_with_one_callback():
+    """The cache is built outside Lightning's inference mode: fit's validation (under no_grad) and the
+    host tier's copy thread can write it after a predict built it."""
+    dm, module = tiny_setup(11)
+    cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
+    trainer([cb]).predict(module, datamodule=dm)
+    stats = cb.cache.manager.stats()
+    assert stats["host_pages_written"] > 0 and stats["offload_failed"] == 0  # the write-through offload ran
+    t = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[cb], max_epochs=1, limit_train_batches=2,
+                  limit_val_batches=4, num_sanity_val_steps=0)
+    t.fit(module, datamodule=dm)
+    assert cb.metrics["validate"]["tokens_computed"] > 0

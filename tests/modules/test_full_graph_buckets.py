@@ -227,3 +227,32 @@ def test_the_shared_step_skeleton_makes_loads_captures_replays_and_stays_eager_a
     made = iter([types.SimpleNamespace(graph=None, last_used=0)])  # (a bucket would be there to make)
     assert step("b") is None and log == ["load"]  # eager for good: not made, loaded or captured again
     assert gb._steps == 7 and gb.replays == 2 and "b" not in gb._buckets
+
+
+def test_clear_drops_every_bucket_and_count_and_the_pool_and_keeps_the_failed_keys(monkeypatch):
+    """`GraphBuckets.clear` (the Lightning callback's, when the weights move): every bucket, the
+    counts of keys seen and the pool go, so a key is made again on its ``capture_after``-th sighting
+    after it; a key whose capture failed stays eager; the counters stay."""
+    import contextlib
+
+    monkeypatch.setattr(graphs_mod.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    gb = graphs_mod.GraphBuckets(max_buckets=4, capture_after=2, idle_steps=None)
+    made = []
+
+    def step(key):
+        def make():
+            made.append(key)
+            return types.SimpleNamespace(graph=None, last_used=0)
+
+        return gb._step(key, None, make, lambda b: None, lambda b: b.graph is not None,
+                        lambda b: setattr(b, "graph", "g"), lambda b: torch.zeros(2), 2)
+
+    step("a"), step("a")
+    gb._failed.add("bad")
+    gb._pool = ("pool",)
+    assert made == ["a"] and "a" in gb._buckets
+    gb.clear()
+    assert not gb._buckets and not gb._seen and gb._pool is None and gb._failed == {"bad"}
+    assert gb.replays == 1 and gb._steps == 2
+    assert step("a") is None and made == ["a"]  # seen once since the clear: eager
+    assert step("a") is not None and made == ["a", "a"]  # made (and captured) again

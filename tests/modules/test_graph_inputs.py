@@ -36,7 +36,7 @@ def steps():
     for b in batches[:2]:
         eng.score(b)
     big = eng.prepare(batches[2])
-    small = eng.prepare(e2e._other_users(e2e.stream(1, 1, 10, 10, 6, 8), 100)[0])  # a new user
+    small = eng.prepare(e2e.other_users(e2e.stream(1, 1, 10, 10, 6, 8), 100)[0])  # a new user
     graphs = gm.CachedStackGraphs(model, cache, token_quantum=64, new_quantum=32, q_quantum=32)
     graphs._scratch = cache.manager.reserve_scratch_pages(1)[0]
     key = gm.bucket_key(3, big.layout.num_query_tokens, big.plan.metadata.num_new_tokens, big.layout.max_q_len,
