@@ -8,21 +8,15 @@ import lightning as L
 import pytest
 import torch
 
-from gr_plugin.data import RecDataModule
-from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
-from gr_plugin.modules import HSTUConfig
+from gr_plugin.lightning import KVCacheCallback
+from tests.lightning.helpers import ranking_setup
 
 pytestmark = pytest.mark.gpu
 
 
-def _setup(seed: int = 0):
-    dm = RecDataModule("synthetic", source_kwargs=dict(num_users=16, min_len=60, max_len=200, num_items=500),
-                       batch_size=4, num_candidates=8, max_next=4, max_visit_len=8, num_val_visits=4,
-                       num_test_visits=4, seed=seed)
-    torch.manual_seed(seed)
-    module = HSTURankingModule(HSTUConfig(num_items=500, num_time_buckets=dm.num_time_buckets, max_positions=512,
-                                          embedding_dim=64, num_layers=2, num_heads=2, head_dim=32, n_norm=256.0))
-    return dm, module
+def _setup(seed: int = 0):  # (head_dim 32: a size the graphed step's Triton kernels serve)
+    return ranking_setup(seed, num_users=16, min_len=60, max_len=200, num_items=500, num_candidates=8, max_next=4,
+                         max_visit_len=8, visits=4, max_positions=512, embedding_dim=64, head_dim=32, n_norm=256.0)
 
 
 def _trainer(callbacks=(), **kw):

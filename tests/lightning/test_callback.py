@@ -5,20 +5,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from gr_plugin.data import RecDataModule
 from gr_plugin.inference import batch_to_kjts
 from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
-from gr_plugin.modules import HSTUConfig
+from tests.lightning.helpers import ranking_setup
 
 
 def tiny_setup(seed: int = 0):
-    dm = RecDataModule("synthetic", source_kwargs=dict(num_users=12, min_len=20, max_len=60, num_items=40),
-                       batch_size=4, num_candidates=6, max_next=2, max_visit_len=6, num_val_visits=3,
-                       num_test_visits=3, seed=seed)
-    torch.manual_seed(seed)
-    module = HSTURankingModule(HSTUConfig(num_items=40, num_time_buckets=dm.num_time_buckets, max_positions=128,
-                                          embedding_dim=16, num_layers=2, num_heads=2, head_dim=8, n_norm=64.0))
-    return dm, module
+    return ranking_setup(seed)
 
 
 def trainer(callbacks=()):
