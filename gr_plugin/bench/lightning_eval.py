@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from gr_plugin.bench.e2e import other_users, stream, stream_model
+from gr_plugin.bench.e2e import other_users, stream, stream_cache_config, stream_model
 from gr_plugin.lightning import HSTURankingModule, KVCacheCallback
 
 COLUMNS = ["batch", "requests", "batches", "full_req_s", "eager_req_s", "graph_req_s", "eager_x", "graph_x",
@@ -66,8 +66,8 @@ def run(batch_sizes=(1, 8), num_users: int = 24, min_len: int = 256, max_len: in
     torch.manual_seed(0)
     module = HSTURankingModule(stream_model(device, hidden, layers, heads, head_dim).config)
     module.to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-    # the warm-up's users and the timed ones at once: each one's longest history plus a visit, a page to spare
-    num_pages = 2 * num_users * (-(-(max_len + 2 * stride) // page_size) + 1) + 8
+    # a cache that holds the warm-up's users and the timed ones at once
+    kv = stream_cache_config(device, 2 * num_users, max_len, stride, layers, heads, head_dim, page_size)
     rows = []
     for bs in batch_sizes:
         batches = stream(bs, num_users, min_len, max_len, stride, num_candidates)
@@ -75,7 +75,7 @@ def run(batch_sizes=(1, 8), num_users: int = 24, min_len: int = 256, max_len: in
         row: dict[str, Any] = {"batch": bs, "requests": sum(b.batch_size for b in batches), "batches": len(batches)}
         full = None
         for way in ("full", "eager", "graph"):
-            cb = None if way == "full" else KVCacheCallback("gpu", page_size=page_size, num_pages=num_pages,
+            cb = None if way == "full" else KVCacheCallback("gpu", page_size=page_size, num_pages=kv.num_pages,
                                                             cuda_graphs=way == "graph")
             clock = _BatchClock(lambda cb=cb: _graph_counts(cb))  # (first: its start precedes the step's prepare)
             trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, logger=False,

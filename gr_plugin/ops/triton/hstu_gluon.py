@@ -237,9 +237,9 @@ def _paged_fwd(Q, K, V, Out, KV, KD, VD, kv_indices, kv_indptr, layer_pages, q_o
             acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), vm, acc)
 
     # a candidate also sees itself, added by the tile's first split: its own weight times its own value
-    # (NOTE: the weight taken before the key loop, its key's load under the first blocks' TMA, measured
-    # on the H200: the launch -2.3% to +3.0%, slower at head_dim 128 / bs 1, walls within 1%;
-    # docs/BENCHMARKS.md)
+    # (NOTE: taking the weight before the key loop instead, its key's load under the first blocks' TMA,
+    # was measured on the H200 and not kept: the launch -2.3% to +3.0%, slower at head_dim 128 / bs 1,
+    # walls within 1%; docs/BENCHMARKS.md)
     if (split == 0) & (last >= new):
         w_o = _self_weight(Q, K, q_smem, q_start, m0, q_len, new, h, stride_kt, stride_kh, alpha, HEAD_DIM, BLOCK_M,
                            o_layout, num_warps)
