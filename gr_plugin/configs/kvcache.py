@@ -22,9 +22,9 @@ class KVCacheOptions:
     ``native`` (device pages + pinned host tier), ``flexkv`` (device + host + SSD + remote tiers).
     ``num_pages`` device pages of ``page_size`` tokens; ``host_cache_gb`` of host memory;
     ``dtype`` null = the model's dtype; ``namespace`` salts identities (model name/version);
-    ``cuda_graphs``: `KVCacheCallback` replays the cached steps as CUDA graphs on CUDA (the Lightning
-    evaluation of ``recipes.train``); ``recipes.infer`` runs its engines eagerly, and the server reads
-    its own ``cuda_graphs``.
+    ``cuda_graphs``: on CUDA, replay the steps as CUDA graphs per shape bucket: `KVCacheCallback`'s
+    cached steps (the Lightning evaluation of ``recipes.train``) and both of ``recipes.infer``'s passes,
+    cached and recomputed; the server reads its own ``cuda_graphs``.
     ``flexkv`` reads its tiers from ``tiers`` (FlexKV's keys: ``cpu_cache_gb`` replaces
     ``host_cache_gb``, ``ssd_cache_gb``, ``ssd_cache_dir``, ``enable_3rd_remote``, ...) or, when
     ``tier_config`` names one, from a FlexKV tier YAML file (its keys override ``tiers``)."""

@@ -28,6 +28,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
@@ -48,7 +49,8 @@ class KVCacheCallback(Callback):
         backend: ``"gpu"`` (device pages only), ``"native"`` (device pages + pinned host tier) or
             ``"flexkv"`` (+ SSD and remote tiers as ``tiers`` says).
         page_size, num_pages: device pages; host_cache_gb: the host tier's capacity.
-        dtype: cache dtype (default: the model's parameter dtype).
+        dtype: cache dtype (default: the dtype the model computes K/V in: the autocast dtype under a
+            mixed-precision trainer, ``precision="bf16-mixed"`` or ``"16-mixed"``, else the parameters').
         namespace: identity salt (model name/version).
         stages: which of validate/test/predict use the cache.
         cuda_graphs: on CUDA, replay the cached steps as CUDA graphs per shape bucket where the model
@@ -76,11 +78,25 @@ class KVCacheCallback(Callback):
         self._epoch_start: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ building
-    def _build(self, pl_module: L.LightningModule) -> KVCacheModule:
+    def _kv_dtype(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+        """The cache's dtype: ``dtype``, else what the layers' projections return under the trainer."""
+        if self.dtype:
+            return self.dtype
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision):
+            # NOTE: the evaluation steps run under this autocast: K/V leave the projections in its dtype.
+            computed = plugin.autocast_context_manager().fast_dtype
+        else:
+            computed = next(pl_module.parameters()).dtype
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if computed not in names:
+            raise ValueError(f"KVCacheCallback: no cache dtype for K/V computed in {computed} "
+                             f"(precision {trainer.precision!r}); pass dtype=")
+        return names[computed]
+
+    def _build(self, pl_module: L.LightningModule, dtype: str) -> KVCacheModule:
         mc = pl_module.model.config
         param = next(pl_module.parameters())
-        dtype = self.dtype or {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                               torch.float16: "float16"}[param.dtype]
         probe = KVCacheConfig(num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                               page_size=self.page_size, num_pages=self.num_pages, dtype=dtype,
                               device=str(param.device), namespace=self.namespace)
@@ -93,15 +109,16 @@ class KVCacheCallback(Callback):
         logger.info("KV cache on %s: %s", param.device, cache.extra_repr())
         return cache
 
-    def _attach(self, pl_module: L.LightningModule, stage: str) -> None:
+    def _attach(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage not in self.stages:
             return
         model = pl_module.model
+        dtype = self._kv_dtype(trainer, pl_module)
         if (self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device
-                or self.engine is None or self.engine.model is not model):
-            # NOTE: another model (e.g. loaded from a checkpoint) has other weights: its users' K/V
-            # start empty, and the new engine's graphs take a scratch page of the new cache.
-            self.cache = self._build(pl_module)
+                or self.cache.config.dtype != dtype or self.engine is None or self.engine.model is not model):
+            # NOTE: another model (e.g. loaded from a checkpoint) has other weights, and another precision
+            # other K/V: its users' K/V start empty, the new engine's graphs take a scratch page of the new cache.
+            self.cache = self._build(pl_module, dtype)
             self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
         if self.engine.graphs is not None:
             weights = tuple(t.data_ptr() for t in model.state_dict(keep_vars=True).values())
@@ -181,17 +198,17 @@ class KVCacheCallback(Callback):
         if trainer.state.fn == "fit" and self.cache is not None:
             # NOTE: the weights changed since the last validation: never read K/V of old weights.
             self.cache.manager.evict_all(all_tiers=True)
-        self._attach(pl_module, "validate")
+        self._attach(trainer, pl_module, "validate")
         if trainer.state.fn == "fit" and self.cache is not None:
             self.cache.manager.set_namespace(f"{self.namespace}@step{trainer.global_step}")
 
     @override
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._attach(pl_module, "test")
+        self._attach(trainer, pl_module, "test")
 
     @override
     def on_predict_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._attach(pl_module, "predict")
+        self._attach(trainer, pl_module, "predict")
 
     @override
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:

@@ -45,6 +45,22 @@ def test_every_option_matches_recompute(tmp_path, backend):
     assert (tmp_path / "results.csv").read_text().count("\n") == 2
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_both_passes_get_the_cuda_graphs_option(tmp_path, monkeypatch, graphs):
+    made = []
+
+    class Spy(infer.RankingEngine):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("cuda_graphs"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(infer, "RankingEngine", Spy)
+    opts = KVCacheOptions(backend="gpu", page_size=4, num_pages=96, cuda_graphs=graphs)
+    summary = infer.run(tiny_cfg(tmp_path, opts, max_batches=4), tmp_path / "out")
+    assert made == [graphs, graphs]  # the cached engine and the recompute's
+    assert summary["equivalence"] == "PASS" and "cached_graph_replays" not in summary  # (no graphs on the CPU)
+
+
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     cfg = tiny_cfg(tmp_path)
     other = HSTURankingModule(HSTUConfig(num_items=60, embedding_dim=32, num_layers=1))

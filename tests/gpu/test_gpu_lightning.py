@@ -78,3 +78,27 @@ def test_fit_drops_the_graphs_after_each_validation_and_validate_captures_again(
     for k in ("val/loss", "val/auc_liked", "val/ndcg@10", "val/hr@10"):
         assert abs(plain[k] - cached[k]) <= 1e-4, (k, plain[k], cached[k])
     assert cached["kvcache/val/hit_rate"] > 0.3
+
+
+def test_bf16_mixed_predict_caches_bf16_and_keeps_the_bf16_rule_eager_and_graphed():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dm, module = _setup(2)
+    oracle = _scores(module, dm)  # fp32 weights, no autocast
+
+    def mixed(callbacks=()):
+        t = _trainer(callbacks, precision="bf16-mixed")
+        return torch.cat([o["scores"] for o in t.predict(module, datamodule=dm)]).float()
+
+    full = mixed()
+    eager_cb = KVCacheCallback("gpu", page_size=16, num_pages=512, cuda_graphs=False)
+    graph_cb = KVCacheCallback("native", page_size=16, num_pages=512, host_cache_gb=0.05)
+    eager, graphed = mixed([eager_cb]), mixed([graph_cb])
+    graphs = graph_cb.engine.graphs
+    assert graphs is not None and graphs.captures > 0 and graphs.replays > 0, (graphs.captures, graphs.replays)
+    for cb in (eager_cb, graph_cb):
+        assert cb.cache.kv_table.dtype == torch.bfloat16
+        assert cb.metrics["predict"]["hit_rate"] > 0.3 and cb.metrics["predict"]["fallbacks"] == 0
+    errs = {name: (s - oracle).abs().max().item() for name, s in
+            (("full", full), ("eager", eager), ("graphed", graphed))}
+    assert errs["full"] > 0, errs  # autocast ran
+    assert max(errs["eager"], errs["graphed"]) <= 2 * errs["full"] + 1e-3, errs

@@ -291,3 +291,47 @@ def test_predict_then_fit_with_one_callback():
                   limit_val_batches=4, num_sanity_val_steps=0)
     t.fit(module, datamodule=dm)
     assert cb.metrics["validate"]["tokens_computed"] > 0
+
+
+def _predict(module, dm, callbacks=(), precision="32-true"):
+    t = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=list(callbacks), precision=precision)
+    return torch.cat([o["scores"].float() for o in t.predict(module, datamodule=dm)])
+
+
+def test_mixed_precision_caches_the_autocast_dtype_and_keeps_the_bf16_rule():
+    dm, module = tiny_setup(9)
+    oracle = _predict(module, dm)
+    plain = _predict(module, dm, precision="bf16-mixed")
+    cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
+    cached = _predict(module, dm, [cb], precision="bf16-mixed")
+    # K/V leave the projections in bf16 under autocast: the pages hold them as they are
+    assert cb.cache.kv_table.dtype == torch.bfloat16
+    assert cb.metrics["predict"]["hit_rate"] > 0.3 and cb.metrics["predict"]["fallbacks"] == 0
+    plain_err = (plain - oracle).abs().max()
+    assert 0 < plain_err < 0.05  # bf16 really ran
+    assert (cached - oracle).abs().max() <= 2 * plain_err  # the bf16 rule, against the fp32 oracle
+    # the same callback at full precision: a cache of float32 pages, its users' K/V starting empty
+    again = _predict(module, dm, [cb])
+    assert cb.cache.kv_table.dtype == torch.float32 and (again - oracle).abs().max() <= 1e-5
+    assert cb.metrics["predict"]["tokens_reused"] > 0
+
+
+def test_a_half_precision_model_caches_its_parameters_dtype():
+    dm, module = tiny_setup(10)
+    oracle = _predict(module, dm)
+    plain = _predict(module, dm, precision="bf16-true")
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=256)
+    cached = _predict(module, dm, [cb], precision="bf16-true")
+    assert cb.cache.kv_table.dtype == torch.bfloat16 and cb.metrics["predict"]["hit_rate"] > 0.3
+    plain_err = (plain - oracle).abs().max()
+    assert 0 < plain_err and (cached - oracle).abs().max() <= 2 * plain_err
+
+
+def test_an_explicit_cache_dtype_that_is_not_what_the_model_computes_is_refused_cleanly():
+    dm, module = tiny_setup(11)
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=256, dtype="float16")
+    with pytest.raises(ValueError, match=r"k must be torch\.float16, got torch\.float32"):
+        _predict(module, dm, [cb])
+    cb.cache.manager.check()
+    assert cb.cache.manager.stats()["plans_in_flight"] == 0 and cb.cache.manager.stats()["device_users"] == 0
