@@ -7,6 +7,9 @@ runtime): free slots kept as runs (a user's pages written together land in conse
 their copy is one transfer per layer), per user a contiguous prefix of published pages with their
 prefix hashes, reservations published in the order they were reserved, pins of readers, and the LRU
 over users that frees slots. It does not move bytes itself and knows nothing about device pages.
+Each slot has a generation, bumped whenever a reservation takes the slot (before any byte is written
+into it): a reader off the manager's thread (the write-down to a lower tier) reads a published slot's
+bytes, then checks its generation; unchanged, the bytes it read are the published ones.
 Prefix hashes cross into the core as int64 ``[n, 2]`` (low, high) pairs (`hashing.to_pairs`).
 """
 
@@ -42,6 +45,7 @@ class HostTier(KVBackend):
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._caller_digests = False
+        self._slot_gen = torch.zeros(0, dtype=torch.int64)  # per slot: reservations that took it
 
     # ----------------------------------------------------------------- setup
     def bind(self, config: KVCacheConfig) -> None:
@@ -73,6 +77,7 @@ class HostTier(KVBackend):
         self._core = torch.classes.gr_kv_core.HostCore(num_slots, config.page_size)
         self._caller_digests = not torch.ops.gr_kv_core.hashing_available()
         self._num_slots = num_slots
+        self._slot_gen = torch.zeros(num_slots, dtype=torch.int64)
 
     @property
     def host_table(self) -> torch.Tensor:
@@ -154,8 +159,19 @@ class HostTier(KVBackend):
     def reserve(self, key: Key, first_page: int, page_hashes: list[int]) -> torch.Tensor | None:
         ok, slots, dropped, dropped_slots, dropped_hashes = self._core.reserve(
             self._ns(key), key[1], first_page, to_pairs(page_hashes))
+        if ok:
+            self._taken(slots)
         self._dropped(dropped, dropped_slots, dropped_hashes)
         return slots if ok else None
+
+    def _taken(self, slots: torch.Tensor) -> None:
+        """Slots a reservation took: their bytes are about to change (`slot_generations`)."""
+        self._slot_gen[slots] += 1
+
+    def slot_generations(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots' generations (a copy): bumped by each reservation that takes a slot, before the
+        slot is written. Equal before and after reading published slots = the read is the published bytes."""
+        return self._slot_gen[slots]
 
     def reserve_write_through(self, core: torch.ScriptObject, core_ns: int,
                               keys: list[Key]) -> tuple[list[tuple[Key, int, torch.Tensor, torch.Tensor]], int]:
@@ -169,6 +185,8 @@ class HostTier(KVBackend):
         name = keys[0][0]
         users, firsts, pages, slots, dropped, dropped_slots, dropped_hashes, failed = (
             self._core.reserve_write_through(self._ns(keys[0]), core, core_ns, [k[1] for k in keys]))
+        for s in slots:
+            self._taken(s)
         self._dropped(dropped, dropped_slots, dropped_hashes)
         return [((name, u), f, p, s) for u, f, p, s in zip(users, firsts, pages, slots)], failed
 

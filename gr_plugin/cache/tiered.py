@@ -105,6 +105,7 @@ class TieredBackend(HostTier):
             "tasks_cancelled": 0, "task_latency_s_sum": 0.0, "task_latency_s_max": 0.0,
             "ssd_pages_fetched": 0, "remote_pages_fetched": 0, "fetch_pages_failed": 0,
             "ssd_pages_written": 0, "remote_pages_written": 0, "lower_writes_failed": 0,
+            "lower_writes_skipped": 0,
         }
 
     @property
@@ -295,15 +296,28 @@ class TieredBackend(HostTier):
             self._writes = [f for f in self._writes if not f.done()]
 
     # ----------------------------------------------------------------- writing down
-    def _stage(self, slots: torch.Tensor) -> torch.Tensor:
-        """Pages of these host slots as one contiguous ``[n, L, 2, P, H, D]`` CPU tensor."""
-        return self.host_table.index_select(1, slots).transpose(0, 1).contiguous()
+    def _stage(self, slots: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """Pages of these host slots as one contiguous ``[n, L, 2, P, H, D]`` CPU tensor (one gather)."""
+        table = self.host_table if table is None else table
+        return table.transpose(0, 1).index_select(0, slots)
 
-    def _write_down(self, key: Key, first_page: int, hashes: list[int], pages: torch.Tensor,
-                    targets: list[tuple[str, PageStore]]) -> None:
+    def _write_down(self, key: Key, first_page: int, hashes: list[int], pages: torch.Tensor | None,
+                    targets: list[tuple[str, PageStore]], slots: torch.Tensor | None = None) -> None:
+        """Write pages to the lower tiers on a worker: ``pages`` staged already, or read from the
+        published host ``slots`` there; if a reservation took any of them meanwhile (their
+        generation moved), the read may be torn and nothing is written (counted, a later miss)."""
         keys = [PageKey(key[0], key[1], first_page + i, h) for i, h in enumerate(hashes)]
+        table = self.host_table
+        gens = None if slots is None else self.slot_generations(slots)
 
         def run() -> None:
+            nonlocal pages
+            if pages is None:
+                pages = self._stage(slots, table)
+                if not torch.equal(self.slot_generations(slots), gens):
+                    with self._write_lock:
+                        self._tier_counters["lower_writes_skipped"] += len(keys)
+                    return
             for name, store in targets:
                 try:
                     done = store.put_many(keys, pages)
@@ -325,12 +339,13 @@ class TieredBackend(HostTier):
         if self._remote is not None and self.tiers.remote_write_through and not from_lower_tier:
             targets.append(("remote", self._remote))
         if targets:
-            # NOTE: staged now, on the caller's thread: the slots may be evicted and reused before
-            # the writer thread runs.
-            self._write_down(key, first_page, hashes, self._stage(slots), targets)
+            # NOTE: read on the worker, off the caller's thread (a gather of MBs per user at the
+            # large models' page sizes): a reservation that takes the slots first voids the write.
+            self._write_down(key, first_page, hashes, None, targets, slots=slots.clone())
 
     def _on_drop(self, key: Key, slots: list[int], hashes: list[int]) -> None:
         if self._ssd is not None and self.tiers.write_policy == "on_evict":
+            # NOTE: staged now: these slots are in a new reservation already, its bytes not yet written.
             self._write_down(key, 0, hashes, self._stage(torch.tensor(slots, dtype=torch.int64)),
                              [("ssd", self._ssd)])
 

@@ -218,6 +218,46 @@ def test_a_cancelled_task_releases_its_slots(tmp_path):
     m.check()
 
 
+def _hold_writers(m):
+    """Keep the tier's two workers busy until the returned event is set (write-downs queue behind)."""
+    release, started = threading.Event(), threading.Barrier(3)
+
+    def hold():
+        started.wait()
+        release.wait()
+
+    for _ in range(2):
+        m.backend._pool.submit(hold)
+    started.wait()
+    return release
+
+
+def test_a_write_down_reads_host_slots_on_the_worker_and_skips_slots_taken_meanwhile(tmp_path):
+    m = make(tmp_path, host_pages=6)
+    release = _hold_writers(m)
+    run_step(m, [1], [history_tokens(1, 16)])
+    m.offload_flush()  # user 1's 4 pages published in the host tier; their SSD write queued, not run
+    m.evict([1])  # gone from every tier...
+    run_step(m, [2], [history_tokens(2, 24)])
+    m.offload_flush()  # ...and user 2's 6 pages took every host slot, user 1's included
+    release.set()
+    m.backend.flush_writes()
+    s = m.stats()
+    # user 1's write read slots that user 2's bytes now fill: not written (else the SSD would serve
+    # user 2's K/V under user 1's page hashes); user 2's own write read its published bytes
+    assert s["lower_writes_skipped"] == 4 and s["ssd_pages_written"] == 6
+    lk, plan = run_step(m, [1], [history_tokens(1, 18)])  # values of every layer checked
+    assert lk.tier_tokens["ssd"] == [0] and plan.cached_lengths == [0]
+    m.evict([2])
+    lk = m.lookup(CacheRequest([2], [26], history_tokens(2, 26)))
+    assert lk.tier_tokens["ssd"] == [24]
+    m.abort(m.allocate(lk))  # the fetched pages are published in the host tier by allocate
+    _, plan = run_step(m, [2], [history_tokens(2, 26)])  # user 2 from the SSD, values checked
+    assert plan.onboard_tokens == [24]
+    settle(m)
+    m.check()
+
+
 def _serve_in_another_process(redis_url: str, ssd_dir: str, user: int, length: int) -> None:
     m = make(__import__("pathlib").Path(ssd_dir), ssd=False, redis_url=redis_url)
     run_step(m, [user], [history_tokens(user, length)])
