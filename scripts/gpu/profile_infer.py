@@ -1,11 +1,13 @@
 """Where ``recipes.infer``'s cached pass spends its host time, per stage (``perf_counter`` wrappers, no profiler).
 
-    python3 scripts/gpu/profile_infer.py <kvcache option> [hydra overrides ...]
+    python3 scripts/gpu/profile_infer.py [--kernels] <kvcache option> [hydra overrides ...]
 
 Runs ``recipes.infer`` (its config, ``+kvcache=<option>``, the overrides) with the engine's and the cache
 manager's stages wrapped, then prints the run's latency lines and each stage's call count and p50 µs.
 ``prepare`` holds lookup and allocate; ``commit`` holds ``_reap`` (finished copies published to the host
 tier, and the write-down to SSD / remote staged) and ``_offload`` (the write-through launched).
+``--kernels``: the whole run under ``torch.profiler`` too (give it ``max_batches=``), then the 25
+kernels with the most device time.
 """
 
 from __future__ import annotations
@@ -50,14 +52,23 @@ def _wrap(cls: type, name: str) -> None:
 
 
 def main() -> None:
-    option, overrides = sys.argv[1], sys.argv[2:]
+    args = sys.argv[1:]
+    kernels = args[:1] == ["--kernels"]
+    option, overrides = args[kernels], args[kernels + 1:]
     for cls, name in STAGES:
         _wrap(cls, name)
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="infer", overrides=[f"+kvcache={option}", *overrides])
     out = Path("outputs") / "profile_infer" / option
-    summary = infer.run(OmegaConf.to_object(cfg), out)
+    if kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            summary = infer.run(OmegaConf.to_object(cfg), out)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    else:
+        summary = infer.run(OmegaConf.to_object(cfg), out)
     print(f"== {option} {' '.join(overrides)}")
     print(infer.format_table(summary))
     for key, values in TIMES.items():
