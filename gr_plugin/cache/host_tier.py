@@ -16,6 +16,7 @@ Prefix hashes cross into the core as int64 ``[n, 2]`` (low, high) pairs (`hashin
 from __future__ import annotations
 
 import logging
+from array import array
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ class HostTier(KVBackend):
         self._ns_ids: dict[str, int] = {}
         self._ns_names: list[str] = []
         self._caller_digests = False
-        self._slot_gen = torch.zeros(0, dtype=torch.int64)  # per slot: reservations that took it
+        self._slot_gen = array("q")  # per slot: reservations that took it
 
     # ----------------------------------------------------------------- setup
     def bind(self, config: KVCacheConfig) -> None:
@@ -77,7 +78,7 @@ class HostTier(KVBackend):
         self._core = torch.classes.gr_kv_core.HostCore(num_slots, config.page_size)
         self._caller_digests = not torch.ops.gr_kv_core.hashing_available()
         self._num_slots = num_slots
-        self._slot_gen = torch.zeros(num_slots, dtype=torch.int64)
+        self._slot_gen = array("q", bytes(8 * num_slots))
 
     @property
     def host_table(self) -> torch.Tensor:
@@ -166,12 +167,17 @@ class HostTier(KVBackend):
 
     def _taken(self, slots: torch.Tensor) -> None:
         """Slots a reservation took: their bytes are about to change (`slot_generations`)."""
-        self._slot_gen[slots] += 1
+        # NOTE: a Python loop over a stdlib array, not a torch op: on the commit's path, and each torch
+        # op hands the GIL to the tier's workers and waits to get it back.
+        gen = self._slot_gen
+        for i in slots.tolist():
+            gen[i] += 1
 
-    def slot_generations(self, slots: torch.Tensor) -> torch.Tensor:
-        """The slots' generations (a copy): bumped by each reservation that takes a slot, before the
-        slot is written. Equal before and after reading published slots = the read is the published bytes."""
-        return self._slot_gen[slots]
+    def slot_generations(self, slots: list[int]) -> list[int]:
+        """The slots' generations: bumped by each reservation that takes a slot, before the slot is
+        written. Equal before and after reading published slots = the read is the published bytes."""
+        gen = self._slot_gen
+        return [gen[i] for i in slots]
 
     def reserve_write_through(self, core: torch.ScriptObject, core_ns: int,
                               keys: list[Key]) -> tuple[list[tuple[Key, int, torch.Tensor, torch.Tensor]], int]:

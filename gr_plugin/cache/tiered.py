@@ -308,13 +308,14 @@ class TieredBackend(HostTier):
         generation moved), the read may be torn and nothing is written (counted, a later miss)."""
         keys = [PageKey(key[0], key[1], first_page + i, h) for i, h in enumerate(hashes)]
         table = self.host_table
-        gens = None if slots is None else self.slot_generations(slots)
+        slot_list = None if slots is None else slots.tolist()
+        gens = None if slots is None else self.slot_generations(slot_list)
 
         def run() -> None:
             nonlocal pages
             if pages is None:
                 pages = self._stage(slots, table)
-                if not torch.equal(self.slot_generations(slots), gens):
+                if self.slot_generations(slot_list) != gens:
                     with self._write_lock:
                         self._tier_counters["lower_writes_skipped"] += len(keys)
                     return

@@ -237,9 +237,9 @@ def test_a_write_down_reads_host_slots_on_the_worker_and_skips_slots_taken_meanw
     release = _hold_writers(m)
     run_step(m, [1], [history_tokens(1, 16)])
     m.offload_flush()  # user 1's 4 pages published in the host tier; their SSD write queued, not run
-    m.evict([1])  # gone from every tier...
+    m.evict([1])  # off the device; then user 2's 6 pages push it out of the host tier and take its slots
     run_step(m, [2], [history_tokens(2, 24)])
-    m.offload_flush()  # ...and user 2's 6 pages took every host slot, user 1's included
+    m.offload_flush()
     release.set()
     m.backend.flush_writes()
     s = m.stats()
@@ -248,6 +248,8 @@ def test_a_write_down_reads_host_slots_on_the_worker_and_skips_slots_taken_meanw
     assert s["lower_writes_skipped"] == 4 and s["ssd_pages_written"] == 6
     lk, plan = run_step(m, [1], [history_tokens(1, 18)])  # values of every layer checked
     assert lk.tier_tokens["ssd"] == [0] and plan.cached_lengths == [0]
+    settle(m)
+    m.evict([1], all_tiers=True)  # (host slots free for user 2's read from the SSD)
     m.evict([2])
     lk = m.lookup(CacheRequest([2], [26], history_tokens(2, 26)))
     assert lk.tier_tokens["ssd"] == [24]
