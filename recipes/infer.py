@@ -25,6 +25,10 @@ def main(cfg) -> None:
     print(infer.format_table(summary))
     print(f"outputs: {hc.runtime.output_dir}")
     if summary.get("equivalence") == "FAIL":
+        if "max_err_cached_vs_fp32" in summary:
+            raise SystemExit(f"cached scores ({obj.dtype}) are further from the fp32 recomputation than twice the "
+                             f"{obj.dtype} recomputation: {summary['max_err_cached_vs_fp32']:.3e} vs "
+                             f"{summary['max_err_full_vs_fp32']:.3e}")
         raise SystemExit(f"cached scores differ from full recomputation: max abs diff {summary['max_abs_diff']:.3e}")
 
 

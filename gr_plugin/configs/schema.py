@@ -88,8 +88,13 @@ class WeightsConfig:
 
 @dataclasses.dataclass
 class InferConfig(WeightsConfig):
-    """``recipes.infer``: replay request batches with the cache and, side by side, without it."""
+    """``recipes.infer``: replay request batches with the cache and, side by side, without it.
 
+    ``dtype``: what the model runs in (``float32``, or ``bfloat16``/``float16``: the tensor-core kernels on
+    a GPU); in half precision each batch is also scored by the fp32 recomputation, and the cached scores'
+    error against it must be at most twice the half-precision recomputation's (``tolerance`` is fp32's)."""
+
+    dtype: str = "float32"
     stage: str = "predict"
     max_batches: int | None = None
     compare: bool = True

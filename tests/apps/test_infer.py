@@ -61,6 +61,24 @@ def test_both_passes_get_the_cuda_graphs_option(tmp_path, monkeypatch, graphs):
     assert summary["equivalence"] == "PASS" and "cached_graph_replays" not in summary  # (no graphs on the CPU)
 
 
+def test_half_precision_holds_the_cached_scores_to_the_fp32_recompute(tmp_path):
+    opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002)
+    summary = infer.run(tiny_cfg(tmp_path, opts, dtype="bfloat16"), tmp_path / "out")
+    assert summary["dtype"] == "bfloat16" and summary["hit_rate"] > 0.6
+    cached, full = summary["max_err_cached_vs_fp32"], summary["max_err_full_vs_fp32"]
+    assert 0 < full < 0.1 and cached <= 2 * full and summary["equivalence"] == "PASS"  # bf16 ran; the rule held
+    assert summary["max_abs_diff"] > 1e-5  # (the fp32 tolerance would have failed it)
+    assert "max error vs fp32" in infer.format_table(summary)
+
+
+def test_a_bad_dtype_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"dtype must be one of .*got 'bf16'"):
+        infer.run(tiny_cfg(tmp_path, dtype="bf16"), tmp_path / "out")
+    opts = KVCacheOptions(backend="gpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"kvcache.dtype='float32' differs from dtype='bfloat16'"):
+        infer.run(tiny_cfg(tmp_path, opts, dtype="bfloat16"), tmp_path / "out")
+
+
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     cfg = tiny_cfg(tmp_path)
     other = HSTURankingModule(HSTUConfig(num_items=60, embedding_dim=32, num_layers=1))

@@ -1,5 +1,6 @@
 """``recipes.infer`` on the GPU (marker ``gpu``): both passes replay CUDA graphs (``kvcache.cuda_graphs``,
-the default) or run eagerly, and every cached score equals the recomputed one within the run's tolerance."""
+the default) or run eagerly, and every cached score equals the recomputed one within the run's tolerance
+(fp32), or keeps the bf16 rule against the fp32 recomputation (``dtype=bfloat16``)."""
 
 import dataclasses
 
@@ -27,3 +28,17 @@ def test_infer_on_cuda_replays_graphs_and_matches_the_recompute(tmp_path, backen
         assert summary["cached_graph_replays"] > 0 and summary["full_graph_replays"] > 0, summary
     else:
         assert "cached_graph_replays" not in summary and "full_graph_replays" not in summary
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_infer_in_bf16_on_cuda_keeps_the_bf16_rule(tmp_path, graphs):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    opts = KVCacheOptions(backend="native", page_size=16, num_pages=96, host_cache_gb=0.01, cuda_graphs=graphs)
+    cfg = tiny_cfg(tmp_path, opts, device="cuda", dtype="bfloat16")
+    cfg.model = dataclasses.replace(cfg.model, head_dim=32, embedding_dim=64)
+    summary = infer.run(cfg, tmp_path / "out")
+    cached, full = summary["max_err_cached_vs_fp32"], summary["max_err_full_vs_fp32"]
+    assert 0 < full and cached <= 2 * full and summary["equivalence"] == "PASS", (cached, full)
+    assert summary["hit_rate"] > 0.05 and summary["fallbacks"] == 0
+    if graphs:
+        assert summary["cached_graph_replays"] > 0 and summary["full_graph_replays"] > 0, summary
