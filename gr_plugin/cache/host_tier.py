@@ -167,16 +167,19 @@ class HostTier(KVBackend):
 
     def _taken(self, slots: torch.Tensor) -> None:
         """Slots a reservation took: their bytes are about to change (`slot_generations`)."""
-        # NOTE: a Python loop over a stdlib array, not a torch op: on the commit's path, and each torch
-        # op hands the GIL to the tier's workers and waits to get it back.
+        # NOTE: a Python loop over a stdlib array, not torch indexing: this runs on the commit's path,
+        # where the torch form measured 0.5-0.8 ms slower per commit on the H200 (docs/BENCHMARKS.md;
+        # the likely cause, not measured: each torch op lets the tier's workers take the GIL).
         gen = self._slot_gen
         for i in slots.tolist():
             gen[i] += 1
 
-    def slot_generations(self, slots: list[int]) -> list[int]:
-        """The slots' generations: bumped by each reservation that takes a slot, before the slot is
-        written. Equal before and after reading published slots = the read is the published bytes."""
-        gen = self._slot_gen
+    def slot_generations(self, slots: list[int], generations: array | None = None) -> list[int]:
+        """The slots' generations (of ``generations``, default the table's now): bumped by each
+        reservation that takes a slot, before the slot is written. Equal before and after reading
+        published slots = the read is the published bytes. A reader keeps the array it started
+        with: `bind` starts a new one with a new table."""
+        gen = self._slot_gen if generations is None else generations
         return [gen[i] for i in slots]
 
     def reserve_write_through(self, core: torch.ScriptObject, core_ns: int,
@@ -216,11 +219,12 @@ class HostTier(KVBackend):
         ``from_lower_tier``: the pages were read from a tier below (no write-back to it).
         """
         want = 0 if not ok else (slots.numel() if num_ok is None else num_ok)
-        first, hashes = self._core.publish(self._ns(key), key[1], slots.tolist(), want)
+        slot_list = slots.tolist()
+        first, hashes = self._core.publish(self._ns(key), key[1], slot_list, want)
         if hashes.shape[0]:
-            self._on_published(key, first, slots[: hashes.shape[0]], from_pairs(hashes), from_lower_tier)
+            self._on_published(key, first, slot_list[: hashes.shape[0]], from_pairs(hashes), from_lower_tier)
 
-    def _on_published(self, key: Key, first_page: int, slots: torch.Tensor, hashes: list[int],
+    def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
                       from_lower_tier: bool) -> None:
         """Hook: pages ``first_page..`` of ``key`` just became readable in ``slots``."""
 

@@ -302,20 +302,21 @@ class TieredBackend(HostTier):
         return table.transpose(0, 1).index_select(0, slots)
 
     def _write_down(self, key: Key, first_page: int, hashes: list[int], pages: torch.Tensor | None,
-                    targets: list[tuple[str, PageStore]], slots: torch.Tensor | None = None) -> None:
+                    targets: list[tuple[str, PageStore]], slots: list[int] | None = None) -> None:
         """Write pages to the lower tiers on a worker: ``pages`` staged already, or read from the
         published host ``slots`` there; if a reservation took any of them meanwhile (their
         generation moved), the read may be torn and nothing is written (counted, a later miss)."""
         keys = [PageKey(key[0], key[1], first_page + i, h) for i, h in enumerate(hashes)]
-        table = self.host_table
-        slot_list = None if slots is None else slots.tolist()
-        gens = None if slots is None else self.slot_generations(slot_list)
+        table, generations = self.host_table, self._slot_gen  # (what `bind` may replace meanwhile)
+        gens = None if slots is None else self.slot_generations(slots, generations)
 
         def run() -> None:
             nonlocal pages
             if pages is None:
-                pages = self._stage(slots, table)
-                if self.slot_generations(slot_list) != gens:
+                pages = self._stage(torch.tensor(slots, dtype=torch.int64), table)
+                # NOTE: read after the gather (the GIL orders the two for this thread); a reservation
+                # bumps before its bytes are written, so equal generations = no write began during it.
+                if self.slot_generations(slots, generations) != gens:
                     with self._write_lock:
                         self._tier_counters["lower_writes_skipped"] += len(keys)
                     return
@@ -332,7 +333,7 @@ class TieredBackend(HostTier):
         with self._write_lock:
             self._writes.append(self._pool.submit(run))
 
-    def _on_published(self, key: Key, first_page: int, slots: torch.Tensor, hashes: list[int],
+    def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
                       from_lower_tier: bool) -> None:
         targets = []
         if self._ssd is not None and self.tiers.write_policy == "write_through" and not from_lower_tier:
@@ -342,7 +343,7 @@ class TieredBackend(HostTier):
         if targets:
             # NOTE: read on the worker, off the caller's thread (a gather of MBs per user at the
             # large models' page sizes): a reservation that takes the slots first voids the write.
-            self._write_down(key, first_page, hashes, None, targets, slots=slots.clone())
+            self._write_down(key, first_page, hashes, None, targets, slots=slots)
 
     def _on_drop(self, key: Key, slots: list[int], hashes: list[int]) -> None:
         if self._ssd is not None and self.tiers.write_policy == "on_evict":
@@ -361,6 +362,8 @@ class TieredBackend(HostTier):
     # ----------------------------------------------------------------- eviction / lifecycle
     def evict(self, key: Key) -> None:
         super().evict(key)
+        if self._stores():
+            self.flush_writes()  # NOTE: a write-down still queued would put the user back after the evict
         for _, store in self._stores():
             store.evict_user(key[0], key[1])
 

@@ -28,7 +28,6 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
@@ -82,12 +81,12 @@ class KVCacheCallback(Callback):
         """The cache's dtype: ``dtype``, else what the layers' projections return under the trainer."""
         if self.dtype:
             return self.dtype
-        plugin = trainer.precision_plugin
-        if isinstance(plugin, MixedPrecision):
-            # NOTE: the evaluation steps run under this autocast: K/V leave the projections in its dtype.
-            computed = plugin.autocast_context_manager().fast_dtype
-        else:
-            computed = next(pl_module.parameters()).dtype
+        device = next(pl_module.parameters()).device.type
+        # NOTE: the steps run inside the precision plugin's forward context; under an autocast there
+        # (MixedPrecision, FSDP's mixed precision, ...) K/V leave the projections in its dtype.
+        with trainer.precision_plugin.forward_context():
+            autocast = torch.is_autocast_enabled(device)
+            computed = torch.get_autocast_dtype(device) if autocast else next(pl_module.parameters()).dtype
         names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
         if computed not in names:
             raise ValueError(f"KVCacheCallback: no cache dtype for K/V computed in {computed} "
@@ -118,6 +117,7 @@ class KVCacheCallback(Callback):
                 or self.cache.config.dtype != dtype or self.engine is None or self.engine.model is not model):
             # NOTE: another model (e.g. loaded from a checkpoint) has other weights, and another precision
             # other K/V: its users' K/V start empty, the new engine's graphs take a scratch page of the new cache.
+            self._close()  # (the old cache's memory, threads, SSD directory lock and connections first)
             self.cache = self._build(pl_module, dtype)
             self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
         if self.engine.graphs is not None:
@@ -138,6 +138,13 @@ class KVCacheCallback(Callback):
     def _snapshot(self) -> dict[str, Any]:
         stats = self.cache.manager.stats()
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
+
+    def _close(self) -> None:
+        """Let go of the cache and its engine: graphs dropped, copies drained, tiers closed."""
+        if self.cache is not None:
+            self._drop_graphs()
+            self.cache.manager.close()
+        self.cache = self.engine = None
 
     def _drop_graphs(self) -> None:
         """Drop the engine's captured graphs (`GraphBuckets.clear`), which read the weights at their

@@ -5,7 +5,8 @@
 Runs ``recipes.infer`` (its config, ``+kvcache=<option>``, the overrides) with the engine's and the cache
 manager's stages wrapped, then prints the run's latency lines and each stage's call count and p50 µs.
 ``prepare`` holds lookup and allocate; ``commit`` holds ``_reap`` (finished copies published to the host
-tier, and the write-down to SSD / remote staged) and ``_offload`` (the write-through launched).
+tier, and the write-down to SSD / remote queued; its gather, ``_stage``, runs on the tier's worker) and
+``_offload`` (the write-through launched).
 ``--kernels``: the whole run under ``torch.profiler`` too (give it ``max_batches=``), then the 25
 kernels with the most device time.
 """

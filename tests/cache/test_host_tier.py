@@ -96,3 +96,28 @@ def test_match_many_equals_per_user_matching_with_and_without_caller_digests():
         assert tier.match_many(keys, tokens, offsets, seed, device_tokens, 2) == want
         tier._caller_digests = False
     assert tier.versions(keys) == expect[1] and expect[1][2] == -1
+
+
+def test_every_reservation_bumps_the_generations_of_the_slots_it_takes():
+    tier = _tier(4)
+    s1 = _store(tier, 1, [11, 12, 13]).tolist()
+    assert tier.slot_generations(s1) == [1, 1, 1]
+    before = tier.slot_generations(range(4))
+    assert tier.reserve(("ns", 3), 0, [31, 32, 33, 34, 35]) is None  # more than the tier: refused...
+    assert tier.slot_generations(range(4)) == before  # ...and nothing bumped
+    s2 = tier.reserve(("ns", 2), 0, [21, 22, 23]).tolist()  # drops user 1 (LRU) and takes its slots
+    assert set(s2) & set(s1)
+    assert tier.slot_generations(s2) == [before[i] + 1 for i in s2]
+
+
+def test_the_write_through_reservation_bumps_the_generations_too():
+    from gr_plugin.cache import KVCacheManager
+
+    from .helpers import history_tokens, run_step, tiny_config
+
+    cfg = tiny_config(num_pages=12, host_cache_bytes=6 * tiny_config().page_bytes)
+    m = KVCacheManager(cfg, HostTier(pin_memory=False))
+    run_step(m, [1], [history_tokens(1, 16)])  # commit: 4 full pages written through to 4 host slots
+    m.offload_flush()
+    slots = m.backend.pages_of(("test", 1))
+    assert len(slots) == 4 and m.backend.slot_generations(slots) == [1] * 4

@@ -220,11 +220,11 @@ def test_a_cancelled_task_releases_its_slots(tmp_path):
 
 def _hold_writers(m):
     """Keep the tier's two workers busy until the returned event is set (write-downs queue behind)."""
-    release, started = threading.Event(), threading.Barrier(3)
+    release, started = threading.Event(), threading.Barrier(3, timeout=10)
 
     def hold():
         started.wait()
-        release.wait()
+        release.wait(timeout=30)
 
     for _ in range(2):
         m.backend._pool.submit(hold)
@@ -235,12 +235,14 @@ def _hold_writers(m):
 def test_a_write_down_reads_host_slots_on_the_worker_and_skips_slots_taken_meanwhile(tmp_path):
     m = make(tmp_path, host_pages=6)
     release = _hold_writers(m)
-    run_step(m, [1], [history_tokens(1, 16)])
-    m.offload_flush()  # user 1's 4 pages published in the host tier; their SSD write queued, not run
-    m.evict([1])  # off the device; then user 2's 6 pages push it out of the host tier and take its slots
-    run_step(m, [2], [history_tokens(2, 24)])
-    m.offload_flush()
-    release.set()
+    try:
+        run_step(m, [1], [history_tokens(1, 16)])
+        m.offload_flush()  # user 1's 4 pages published in the host tier; their SSD write queued, not run
+        m.evict([1])  # off the device; then user 2's 6 pages push it out of the host tier and take its slots
+        run_step(m, [2], [history_tokens(2, 24)])
+        m.offload_flush()
+    finally:
+        release.set()
     m.backend.flush_writes()
     s = m.stats()
     # user 1's write read slots that user 2's bytes now fill: not written (else the SSD would serve
@@ -257,6 +259,37 @@ def test_a_write_down_reads_host_slots_on_the_worker_and_skips_slots_taken_meanw
     _, plan = run_step(m, [2], [history_tokens(2, 26)])  # user 2 from the SSD, values checked
     assert plan.onboard_tokens == [24]
     settle(m)
+    m.check()
+
+
+class HeldWrites:
+    """The real SSD store, with writes held back until ``release`` is set."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.release, self.writing = threading.Event(), threading.Event()
+
+    def put_many(self, keys, pages):
+        self.writing.set()
+        self.release.wait(timeout=10)
+        return self.inner.put_many(keys, pages)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_evicting_a_user_from_every_tier_waits_for_its_write_down(tmp_path):
+    m = make(tmp_path, host_pages=6)
+    held = HeldWrites(m.backend._ssd)
+    m.backend._ssd = held
+    run_step(m, [1], [history_tokens(1, 16)])
+    m.offload_flush()
+    assert held.writing.wait(timeout=10)  # user 1's SSD write has started, and waits
+    threading.Timer(0.2, held.release.set).start()
+    m.evict([1], all_tiers=True)  # (else the write lands after the SSD's evict: the user back on the SSD)
+    m.backend.flush_writes()
+    m.backend._ssd = held.inner
+    assert m.stats()["ssd_pages_written"] == 4 and held.inner.stats()["pages_stored"] == 0
     m.check()
 
 

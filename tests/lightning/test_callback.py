@@ -317,6 +317,46 @@ def test_mixed_precision_caches_the_autocast_dtype_and_keeps_the_bf16_rule():
     assert cb.metrics["predict"]["tokens_reused"] > 0
 
 
+def test_any_precision_plugin_that_autocasts_gets_its_dtype():
+    import contextlib
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    class Autocasting(Precision):  # (not MixedPrecision: like FSDP's, it autocasts in its forward context)
+        @contextlib.contextmanager
+        def forward_context(self):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                yield
+
+    def run(callbacks=()):
+        t = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+                      plugins=[Autocasting()])
+        return torch.cat([o["scores"].float() for o in t.predict(module, datamodule=dm)])
+
+    dm, module = tiny_setup(13)
+    oracle, plain = _predict(module, dm), run()
+    cb = KVCacheCallback("gpu", page_size=4, num_pages=256)
+    cached = run([cb])
+    assert cb.cache.kv_table.dtype == torch.bfloat16 and cb.metrics["predict"]["hit_rate"] > 0.3
+    plain_err = (plain - oracle).abs().max()
+    assert 0 < plain_err and (cached - oracle).abs().max() <= 2 * plain_err  # the bf16 rule
+
+
+def test_a_rebuilt_cache_lets_go_of_the_old_one_first(tmp_path):
+    from gr_plugin.cache.tiers import TierConfig
+
+    dm, module = tiny_setup(12)
+    tiers = TierConfig(cpu_cache_gb=0.01, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
+    cb = KVCacheCallback("flexkv", page_size=4, num_pages=256, tiers=tiers)
+    _predict(module, dm, [cb], precision="bf16-mixed")
+    old = cb.cache
+    again = _predict(module, dm, [cb])  # float32 now: a new cache on the same SSD directory
+    assert cb.cache is not old and cb.cache.kv_table.dtype == torch.float32
+    assert old.manager.backend._pool._shutdown  # the old tiers closed (their directory lock released)
+    assert (again - _predict(module, dm)).abs().max() <= 1e-5 and cb.metrics["predict"]["tokens_reused"] > 0
+
+
 def test_a_half_precision_model_caches_its_parameters_dtype():
     dm, module = tiny_setup(10)
     oracle = _predict(module, dm)
