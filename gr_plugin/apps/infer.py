@@ -172,8 +172,7 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
         cache.manager.offload_flush()
         stats = cache.stats()
         req_tokens = stats["tokens_requested"] or 1
-        page = cache.config.page_size
-        lower = {t: stats.get(f"{t}_pages_fetched", 0) * page for t in ("ssd", "remote")}
+        lower = {t: stats.get(f"tokens_reused_{t}", 0) for t in ("ssd", "remote")}
         summary.update(
             hit_rate=stats["hit_rate"], hit_rate_device=stats["tokens_reused_device"] / req_tokens,
             hit_rate_host=(stats["tokens_reused_host"] - sum(lower.values())) / req_tokens,

@@ -119,6 +119,11 @@ class KVBackend(ABC):
         """Reap tasks that ended since the last call (never blocks)."""
         return None
 
+    def take_fetched(self, task_id: int) -> dict[Key, tuple[int, list[str]]]:
+        """What a finished task published, once: per user its first page and each published page's
+        tier (``"ssd"``/``"remote"``), so a step can count the pages it read from below the host."""
+        return {}
+
     @property
     def fail_open(self) -> bool:
         """A lower-tier read that fails or times out is a miss (True) or an error (False)."""

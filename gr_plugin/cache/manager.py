@@ -328,8 +328,10 @@ class KVCacheManager:
             if lookup.namespace != self.namespace:
                 lookup = self.lookup(req)
             keys, backend, core, core_allocate = lookup.keys, self.backend, self._core, self._core_allocate
+            fetched = {}
             if lookup.prefetch_task is not None:
                 state = backend.wait(lookup.prefetch_task)
+                fetched = backend.take_fetched(lookup.prefetch_task)
                 lookup.prefetch_task = None
                 if state != "ready" and not backend.fail_open:
                     raise TierReadError(f"lower-tier read for users {[k[1] for k in keys]} ended {state!r}")
@@ -387,9 +389,22 @@ class KVCacheManager:
                 new_lengths=[t - c for t, c in zip(totals, cached)],
                 host_metadata=buffer, keep_pages=keep, onboard_src=onboard_src,
             )
+            if fetched:
+                plan.lower_tier_tokens = self._lower_tier_tokens(keys, keep, onboard, fetched)
             self._plans[plan.plan_id] = plan
             self._stats.plans += 1
             return plan
+
+    def _lower_tier_tokens(self, keys: list[Key], keep: list[int], onboard: list[int],
+                           fetched: dict[Key, tuple[int, list[str]]]) -> dict[str, int]:
+        """Tokens per lower tier among the pages this step onboards that its own read fetched."""
+        out: dict[str, int] = {}
+        for b, key in enumerate(keys):
+            first, tiers = fetched.get(key, (0, []))
+            for page in range(max(first, keep[b]), min(first + len(tiers), keep[b] + onboard[b])):
+                tier = tiers[page - first]
+                out[tier] = out.get(tier, 0) + self.config.page_size
+        return out
 
     def prepare(self, request: CacheRequest) -> BatchPlan | None:
         """``lookup`` + ``allocate`` + ``onboard_launch`` in one call."""
@@ -510,6 +525,8 @@ class KVCacheManager:
                 self._stats.tokens_reused_device += plan.device_tokens[b]
                 self._stats.tokens_reused_host += plan.onboard_tokens[b]
                 self._stats.tokens_computed += plan.new_lengths[b]
+            for tier, n in plan.lower_tier_tokens.items():
+                setattr(self._stats, f"tokens_reused_{tier}", getattr(self._stats, f"tokens_reused_{tier}") + n)
             plan.state = "committed"
             del self._plans[plan.plan_id]
             self._stats.commits += 1

@@ -74,6 +74,8 @@ class BatchPlan:
     # the layers whose new K/V a forward pass has written (`KVCacheModule.forward`; a graph replay,
     # `RankingEngine.forward`): `KVCacheCallback` commits a step only when every layer is here
     appended_layers: set[int] = dataclasses.field(default_factory=set)
+    # of ``onboard_tokens``, how many this step's own lower-tier read brought into the host tier, per tier
+    lower_tier_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

@@ -20,7 +20,9 @@ class KVCacheStats:
     alloc_failures: int = 0
     tokens_requested: int = 0
     tokens_reused_device: int = 0
-    tokens_reused_host: int = 0
+    tokens_reused_host: int = 0  # onboarded from the host tier, including the two below
+    tokens_reused_ssd: int = 0  # read from the SSD into the host tier by the same step
+    tokens_reused_remote: int = 0  # read from the remote store into the host tier by the same step
     tokens_computed: int = 0
     pages_allocated: int = 0
     evicted_users: int = 0

@@ -17,6 +17,7 @@ task that succeeds, only each user's longest successfully read prefix is publish
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
@@ -37,6 +38,8 @@ from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.cache.tiers.types import PageKey, PageStore, aligned_empty
 
 logger = logging.getLogger(__name__)
+
+_FETCHED_KEPT = 256  # finished tasks whose published pages a step may still ask for (`take_fetched`)
 
 
 class TaskState(enum.Enum):
@@ -97,6 +100,7 @@ class TieredBackend(HostTier):
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="gr-kv-tier")
         self._tasks: dict[int, FetchTask] = {}
         self._fetching: dict[Key, int] = {}
+        self._fetched: collections.OrderedDict[int, dict[Key, tuple[int, list[str]]]] = collections.OrderedDict()
         self._writes: list[Future] = []
         self._write_lock = threading.Lock()
         self._task_ids = itertools.count(1)
@@ -244,6 +248,13 @@ class TieredBackend(HostTier):
             c["fetch_pages_failed"] += len(it.sources) - good
             self.publish(it.key, it.slots, good > 0, good, from_lower_tier=True)
         del self._tasks[task.task_id]
+        if task.state == TaskState.READY:
+            self._fetched[task.task_id] = {it.key: (it.first_page, it.sources[: it.ok_pages]) for it in task.items}
+            while len(self._fetched) > _FETCHED_KEPT:  # (tasks whose step never asked)
+                self._fetched.popitem(last=False)
+
+    def take_fetched(self, task_id: int) -> dict[Key, tuple[int, list[str]]]:
+        return self._fetched.pop(task_id, {})
 
     def _abandon(self, task: FetchTask, state: TaskState) -> None:
         """Stop waiting for a task: nothing of it will be published; its slots are released when

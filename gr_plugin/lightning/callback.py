@@ -38,9 +38,9 @@ from gr_plugin.modules import KVCacheModule
 logger = logging.getLogger(__name__)
 
 _STAGES = ("validate", "test", "predict")
-_LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_computed", "onboard_bytes",
-           "offload_bytes", "evicted_users", "fallbacks", "ssd_pages_fetched", "remote_pages_fetched",
-           "tasks_launched", "tasks_timed_out", "tasks_failed")
+_LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_reused_ssd", "tokens_reused_remote",
+           "tokens_computed", "onboard_bytes", "offload_bytes", "evicted_users", "fallbacks", "ssd_pages_fetched",
+           "remote_pages_fetched", "tasks_launched", "tasks_timed_out", "tasks_failed")
 
 
 class KVCacheCallback(Callback):

@@ -35,11 +35,10 @@ def _is_gauge(name: str) -> bool:
 
 
 def tier_tokens(stats: Mapping[str, float]) -> dict[str, float]:
-    """Reused history tokens per tier from cache counters (pages fetched from SSD / Redis are
-    counted by the host tier that received them, so they are taken out of its share)."""
-    page = stats.get("page_size", 0)
-    ssd = stats.get("ssd_pages_fetched", 0) * page
-    remote = stats.get("remote_pages_fetched", 0) * page
+    """Reused history tokens per tier from cache counters (tokens a step read from SSD / Redis
+    into the host tier and onboarded are in the host tier's count too, so they are taken out of it)."""
+    ssd = stats.get("tokens_reused_ssd", 0)
+    remote = stats.get("tokens_reused_remote", 0)
     return {"device": stats.get("tokens_reused_device", 0), "host": stats.get("tokens_reused_host", 0) - ssd - remote,
             "ssd": ssd, "remote": remote}
 

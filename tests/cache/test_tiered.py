@@ -81,9 +81,28 @@ def test_redis_round_trip_and_a_second_replica_hits(tmp_path, redis_url):
     assert a.stats()["remote_pages_written"] == 3
     lk, plan = run_step(b, [7], [history_tokens(7, 15)])  # replica B has never seen user 7
     assert lk.tier_tokens["remote"] == [12] and plan.onboard_tokens == [12] and plan.new_lengths == [3]
-    assert b.stats()["remote_pages_fetched"] == 3
+    assert b.stats()["remote_pages_fetched"] == 3 and plan.lower_tier_tokens == {"remote": 12}
+    assert b.stats()["tokens_reused_remote"] == b.stats()["tokens_reused_host"] == 12
     settle(b)
     b.check()
+
+
+def test_a_step_counts_the_tokens_its_own_read_brought_up_from_the_ssd(tmp_path):
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    _, plan = run_step(m, [1, 2], [history_tokens(1, 18), history_tokens(2, 5)])  # (user 2: all new)
+    assert plan.onboard_tokens == [16, 0] and plan.lower_tier_tokens == {"ssd": 16}
+    s = m.stats()
+    assert s["tokens_reused_ssd"] == 16 and s["tokens_reused_remote"] == 0 and s["ssd_pages_fetched"] == 4
+    host_before = s["tokens_reused_host"]
+    m.evict([1])  # off the device again: the next visit finds the pages in the host tier
+    _, plan = run_step(m, [1], [history_tokens(1, 19)])
+    assert plan.onboard_tokens == [16] and plan.lower_tier_tokens == {}
+    assert m.stats()["tokens_reused_ssd"] == 16 and m.stats()["tokens_reused_host"] == host_before + 16
+    settle(m)
+    m.check()
 
 
 def _push_out_of_host(m, user, length=16):

@@ -19,7 +19,8 @@ from tests.serving.helpers import visits
 
 STATS = {"serve": {"requests": 5, "step_seconds": 0.25},
          "kvcache": {"tokens_requested": 100, "tokens_reused_device": 30, "tokens_reused_host": 50,
-                     "ssd_pages_fetched": 2, "remote_pages_fetched": 3, "page_size": 4, "device_users": 7,
+                     "tokens_reused_ssd": 8, "tokens_reused_remote": 12, "ssd_pages_fetched": 3,
+                     "remote_pages_fetched": 5, "page_size": 4, "device_users": 7,
                      "copies_in_flight": 1, "remote_failing": False, "remote_url": "redis://secret@host/0",
                      "hit_rate": 0.8}}
 
@@ -39,13 +40,16 @@ def test_exposition_types_names_and_tiers():
 
 def test_tier_hit_rates_are_deltas_over_replicas():
     before = [render_prometheus(STATS), render_prometheus(STATS)]
-    later = {**STATS["kvcache"], "tokens_requested": 200, "tokens_reused_device": 80, "remote_pages_fetched": 8}
+    later = {**STATS["kvcache"], "tokens_requested": 200, "tokens_reused_device": 80, "tokens_reused_host": 70,
+             "tokens_reused_remote": 32, "remote_pages_fetched": 12}
     after = [render_prometheus({"kvcache": later}), render_prometheus(STATS)]
     rates = tier_hit_rates(before, after)
     assert rates["tokens_requested"] == 100
     assert rates["hit_rate_device"] == pytest.approx(0.5) and rates["hit_rate_remote"] == pytest.approx(0.2)
-    assert rates["hit_rate_host"] == pytest.approx(-0.2)  # remote pages land in the host tier's count
-    assert rates["hit_rate"] == pytest.approx(0.5)
+    # the remote's 20 tokens were onboarded through the host tier (its count rose by 20): host's own share 0,
+    # whatever else was fetched and not read (the pages fetched do not enter the rates)
+    assert rates["hit_rate_host"] == pytest.approx(0.0)
+    assert rates["hit_rate"] == pytest.approx(0.7)
 
 
 def test_metrics_server_serves_only_metrics():
