@@ -119,6 +119,10 @@ class KVBackend(ABC):
         """Reap tasks that ended since the last call (never blocks)."""
         return None
 
+    def cancel(self, task_id: int) -> None:
+        """Stop waiting for a task: nothing of it is published (its slots released when it ends)."""
+        return None
+
     def take_fetched(self, task_id: int) -> dict[Key, tuple[int, list[str]]]:
         """What a finished task published, once: per user its first page and each published page's
         tier (``"ssd"``/``"remote"``), so a step can count the pages it read from below the host."""

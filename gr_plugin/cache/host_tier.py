@@ -167,9 +167,10 @@ class HostTier(KVBackend):
 
     def _taken(self, slots: torch.Tensor) -> None:
         """Slots a reservation took: their bytes are about to change (`slot_generations`)."""
-        # NOTE: a Python loop over a stdlib array, not torch indexing: this runs on the commit's path,
-        # where the torch form measured 0.5-0.8 ms slower per commit on the H200 (docs/BENCHMARKS.md;
-        # the likely cause, not measured: each torch op lets the tier's workers take the GIL).
+        # NOTE: a Python loop over a stdlib array, not torch indexing: this runs on the commit's path.
+        # With the torch form (and the staging moved to the workers) the write-through launch took
+        # 0.5-0.8 ms longer on the H200 (docs/BENCHMARKS.md); a guess, not measured: each torch op lets
+        # the tier's workers take the GIL.
         gen = self._slot_gen
         for i in slots.tolist():
             gen[i] += 1

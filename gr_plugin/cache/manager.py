@@ -326,6 +326,8 @@ class KVCacheManager:
         users, totals = req.user_ids, req.history_lengths
         with self._lock:
             if lookup.namespace != self.namespace:
+                if lookup.prefetch_task is not None and self.backend is not None:
+                    self.backend.cancel(lookup.prefetch_task)  # (its pages are of the old namespace)
                 lookup = self.lookup(req)
             keys, backend, core, core_allocate = lookup.keys, self.backend, self._core, self._core_allocate
             fetched = {}

@@ -101,7 +101,7 @@ class TieredBackend(HostTier):
         self._tasks: dict[int, FetchTask] = {}
         self._fetching: dict[Key, int] = {}
         self._fetched: collections.OrderedDict[int, dict[Key, tuple[int, list[str]]]] = collections.OrderedDict()
-        self._writes: list[Future] = []
+        self._writes: list[tuple[Key, Future]] = []  # write-downs in flight, per user
         self._write_lock = threading.Lock()
         self._task_ids = itertools.count(1)
         self._tier_counters = {
@@ -304,7 +304,7 @@ class TieredBackend(HostTier):
             if task.future.done():
                 self._finalize(task)
         with self._write_lock:
-            self._writes = [f for f in self._writes if not f.done()]
+            self._writes = [(k, f) for k, f in self._writes if not f.done()]
 
     # ----------------------------------------------------------------- writing down
     def _stage(self, slots: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
@@ -342,7 +342,7 @@ class TieredBackend(HostTier):
                     self._tier_counters["lower_writes_failed"] += len(done) - sum(done)
 
         with self._write_lock:
-            self._writes.append(self._pool.submit(run))
+            self._writes.append((key, self._pool.submit(run)))
 
     def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
                       from_lower_tier: bool) -> None:
@@ -365,16 +365,26 @@ class TieredBackend(HostTier):
     def flush_writes(self) -> None:
         """Block until every write to the lower tiers has finished."""
         with self._write_lock:
-            pending = list(self._writes)
+            pending = [f for _, f in self._writes]
         for f in pending:
             f.result()
         self.poll()
+
+    def _wait_writes(self, key: Key) -> None:
+        """Block until ``key``'s write-downs in flight have finished (a failed one is logged)."""
+        with self._write_lock:
+            pending = [f for k, f in self._writes if k == key]
+        for f in pending:
+            try:
+                f.result()
+            except Exception:
+                logger.warning("a write-down of user %s failed", key[1], exc_info=True)
 
     # ----------------------------------------------------------------- eviction / lifecycle
     def evict(self, key: Key) -> None:
         super().evict(key)
         if self._stores():
-            self.flush_writes()  # NOTE: a write-down still queued would put the user back after the evict
+            self._wait_writes(key)  # NOTE: a write-down still queued would put the user back after the evict
         for _, store in self._stores():
             store.evict_user(key[0], key[1])
 
@@ -389,7 +399,7 @@ class TieredBackend(HostTier):
         out.update(self._tier_counters)
         out["tasks_in_flight"] = len(self._tasks)
         with self._write_lock:
-            out["writes_in_flight"] = sum(not f.done() for f in self._writes)
+            out["writes_in_flight"] = sum(not f.done() for _, f in self._writes)
         for name, store in self._stores():
             out.update({f"{name}_{k}": v for k, v in store.stats().items()})
         return out

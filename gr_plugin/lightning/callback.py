@@ -22,6 +22,7 @@ The LightningModule must expose ``model`` (an `HSTURanker`). Before each batch t
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -77,14 +78,17 @@ class KVCacheCallback(Callback):
         self._epoch_start: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ building
-    def _kv_dtype(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+    def _kv_dtype(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> str:
         """The cache's dtype: ``dtype``, else what the layers' projections return under the trainer."""
         if self.dtype:
             return self.dtype
         device = next(pl_module.parameters()).device.type
-        # NOTE: the steps run inside the precision plugin's forward context; under an autocast there
-        # (MixedPrecision, FSDP's mixed precision, ...) K/V leave the projections in its dtype.
-        with trainer.precision_plugin.forward_context():
+        plugin = trainer.precision_plugin
+        step_context = {"validate": plugin.val_step_context, "test": plugin.test_step_context,
+                        "predict": plugin.predict_step_context}[stage]
+        # NOTE: the stage's steps run inside this context; under an autocast there (MixedPrecision,
+        # FSDP's mixed precision, ...) K/V leave the projections in its dtype.
+        with step_context():
             autocast = torch.is_autocast_enabled(device)
             computed = torch.get_autocast_dtype(device) if autocast else next(pl_module.parameters()).dtype
         names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -112,12 +116,12 @@ class KVCacheCallback(Callback):
         if stage not in self.stages:
             return
         model = pl_module.model
-        dtype = self._kv_dtype(trainer, pl_module)
+        dtype = self._kv_dtype(trainer, pl_module, stage)
         if (self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device
                 or self.cache.config.dtype != dtype or self.engine is None or self.engine.model is not model):
             # NOTE: another model (e.g. loaded from a checkpoint) has other weights, and another precision
             # other K/V: its users' K/V start empty, the new engine's graphs take a scratch page of the new cache.
-            self._close()  # (the old cache's memory, threads, SSD directory lock and connections first)
+            self.close()  # (the old cache's memory, threads, SSD directory lock and connections first)
             self.cache = self._build(pl_module, dtype)
             self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
         if self.engine.graphs is not None:
@@ -139,12 +143,17 @@ class KVCacheCallback(Callback):
         stats = self.cache.manager.stats()
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
 
-    def _close(self) -> None:
-        """Let go of the cache and its engine: graphs dropped, copies drained, tiers closed."""
+    def close(self) -> None:
+        """Let go of the cache and its engine: graphs dropped, copies drained, tiers closed (threads
+        stopped, the SSD directory unlocked), memory freed. A later trainer call builds a new cache
+        (users' K/V start empty). Call it when done with the callback, e.g. before another process or
+        callback uses the same ``ssd_cache_dir``."""
         if self.cache is not None:
             self._drop_graphs()
             self.cache.manager.close()
-        self.cache = self.engine = None
+            self.cache = self.engine = None
+            self._weights = ()
+            gc.collect()  # NOTE: the manager sits in reference cycles: free its tables now, not at a later GC
 
     def _drop_graphs(self) -> None:
         """Drop the engine's captured graphs (`GraphBuckets.clear`), which read the weights at their

@@ -105,6 +105,26 @@ def test_a_step_counts_the_tokens_its_own_read_brought_up_from_the_ssd(tmp_path)
     m.check()
 
 
+def test_a_step_counts_only_the_fetched_pages_it_onboards(tmp_path):
+    from gr_plugin.cache import HostTier
+
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])  # 4 pages -> host -> SSD
+    settle(m)
+    _push_out_of_host(m, 1)
+    run_step(m, [1], [history_tokens(1, 8)])  # 2 pages back from the SSD; the device holds 8 tokens
+    settle(m)
+    HostTier.evict(m.backend, (m.namespace, 1))  # the host tier only: the SSD keeps its 4 pages
+    before = m.stats()
+    _, plan = run_step(m, [1], [history_tokens(1, 18)])  # the read fetches pages 0-3, the step onboards 2-3
+    s = m.stats()
+    assert plan.device_tokens == [8] and plan.onboard_tokens == [8] and plan.lower_tier_tokens == {"ssd": 8}
+    assert s["ssd_pages_fetched"] - before["ssd_pages_fetched"] == 4
+    assert s["tokens_reused_ssd"] - before["tokens_reused_ssd"] == 8
+    settle(m)
+    m.check()
+
+
 def _push_out_of_host(m, user, length=16):
     for u in (90, 91):
         run_step(m, [u], [history_tokens(u, 12)])
@@ -304,7 +324,13 @@ def test_evicting_a_user_from_every_tier_waits_for_its_write_down(tmp_path):
     run_step(m, [1], [history_tokens(1, 16)])
     m.offload_flush()
     assert held.writing.wait(timeout=10)  # user 1's SSD write has started, and waits
-    threading.Timer(0.2, held.release.set).start()
+    wait = m.backend._wait_writes
+
+    def releasing_wait(key):  # the write is let go once the evict waits for it (never, without the wait)
+        held.release.set()
+        wait(key)
+
+    m.backend._wait_writes = releasing_wait
     m.evict([1], all_tiers=True)  # (else the write lands after the SSD's evict: the user back on the SSD)
     m.backend.flush_writes()
     m.backend._ssd = held.inner

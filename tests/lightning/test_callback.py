@@ -357,6 +357,39 @@ def test_a_rebuilt_cache_lets_go_of_the_old_one_first(tmp_path):
     assert (again - _predict(module, dm)).abs().max() <= 1e-5 and cb.metrics["predict"]["tokens_reused"] > 0
 
 
+def test_the_old_tables_are_freed_before_the_new_cache_is_built(monkeypatch):
+    import weakref
+
+    dm, module = tiny_setup(14)
+    cb = KVCacheCallback("native", page_size=4, num_pages=256, host_cache_gb=0.01)
+    _predict(module, dm, [cb], precision="bf16-mixed")
+    old = [weakref.ref(cb.cache.kv_table), weakref.ref(cb.cache.manager.backend.host_table)]
+    alive_at_build = []
+    build = cb._build
+
+    def probing_build(*args):
+        alive_at_build.append([r() is not None for r in old])
+        return build(*args)
+
+    monkeypatch.setattr(cb, "_build", probing_build)
+    _predict(module, dm, [cb])  # float32: rebuilt
+    assert alive_at_build == [[False, False]]  # (else a rebuild holds two caches' memory at once)
+
+
+def test_close_lets_another_callback_use_the_same_ssd_directory(tmp_path):
+    from gr_plugin.cache.tiers import TierConfig
+
+    dm, module = tiny_setup(15)
+    tiers = TierConfig(cpu_cache_gb=0.01, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
+    first = KVCacheCallback("flexkv", page_size=4, num_pages=256, tiers=tiers)
+    _predict(module, dm, [first])
+    first.close()
+    assert first.cache is None
+    second = KVCacheCallback("flexkv", page_size=4, num_pages=256, tiers=tiers)
+    assert (_predict(module, dm, [second]) - _predict(module, dm)).abs().max() <= 1e-5
+    assert second.metrics["predict"]["tokens_reused"] > 0
+
+
 def test_a_half_precision_model_caches_its_parameters_dtype():
     dm, module = tiny_setup(10)
     oracle = _predict(module, dm)
