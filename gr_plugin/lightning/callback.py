@@ -6,7 +6,8 @@ whose users' K/V start empty), prepares a cache step before each batch (`Ranking
 checks, lookup, allocate, onboard, the token layout on the host), commits it after the batch if a
 forward pass wrote its every layer (else aborts it: the next visit misses instead of reading
 unwritten pages), aborts it on an exception, and logs
-``kvcache/<stage>/hit_rate``, tokens reused and computed, and bytes moved. On CUDA the cached steps
+``kvcache/<stage>/hit_rate``, tokens reused and computed, and bytes moved (summed over the ranks
+under DDP, where each rank caches the users its batches hold). On CUDA the cached steps
 replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`), as a server's
 engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
 batches are forgotten. During ``fit`` the weights change between validations, so each validation
@@ -201,7 +202,14 @@ class KVCacheCallback(Callback):
         now = self._snapshot()
         start = self._epoch_start[stage]
         delta = {k: now[k] - start[k] for k in _LOGGED if k != "hit_rate" and k in now}
-        requested = now["tokens_requested"] - start["tokens_requested"]
+        delta["tokens_requested"] = now["tokens_requested"] - start["tokens_requested"]
+        if trainer.world_size > 1:
+            # NOTE: each rank caches its own share of the users: the epoch's figures are the ranks' sums.
+            keys = sorted(delta)
+            sums = trainer.strategy.reduce(torch.tensor([float(delta[k]) for k in keys], dtype=torch.float64,
+                                                        device=pl_module.device), reduce_op="sum")
+            delta = dict(zip(keys, sums.tolist()))
+        requested = delta.pop("tokens_requested")
         delta["hit_rate"] = delta["tokens_reused"] / requested if requested else 0.0
         self.metrics[stage] = {k: float(v) for k, v in delta.items()}
         if log:
