@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from gr_plugin.cache import KVCacheConfig
+from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
@@ -71,16 +72,26 @@ def tier_config(opts: KVCacheOptions) -> TierConfig:
     return tiers
 
 
+def model_dtype(name: str, kvcache: KVCacheOptions | None, owner: str = "dtype") -> torch.dtype:
+    """The torch dtype a recipe runs its model in (``owner``: how its messages name the option); a
+    ``kvcache.dtype`` must be unset or equal (the cache holds the model's K/V)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    if kvcache is not None and kvcache.dtype not in (None, name):
+        raise ValueError(f"kvcache.dtype={kvcache.dtype!r} differs from {owner}={name!r}: the cache holds "
+                         "the model's K/V, so leave kvcache.dtype unset or equal")
+    return DTYPES[name]
+
+
 def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
                dtype: torch.dtype) -> KVCacheModule | None:
     backend = resolve_backend(opts)
     if backend is None:
         return None
-    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     tiers = tier_config(opts) if backend == "flexkv" else None
     host_gb = {"gpu": 0.0, "native": opts.host_cache_gb}.get(backend, tiers.cpu_cache_gb if tiers else 0.0)
     cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
-                        page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or names[dtype],
+                        page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or DTYPE_NAMES[dtype],
                         device=str(device), namespace=opts.namespace, host_cache_bytes=int(host_gb * (1 << 30)))
     return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
 

@@ -27,7 +27,7 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalNormalizedDCG
 from tqdm import tqdm
 
 from gr_plugin.apps import train as train_app
-from gr_plugin.apps.common import load_module, make_cache, make_datamodule, pick_device, resolve_backend
+from gr_plugin.apps.common import load_module, make_cache, make_datamodule, model_dtype, pick_device, resolve_backend
 from gr_plugin.configs.schema import InferConfig, TrainConfig, WeightsConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.lightning import HSTURankingModule
@@ -76,13 +76,7 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
     dm = make_datamodule(cfg.data)
     if cfg.model.num_items < dm.num_items:
         raise ValueError(f"model.num_items={cfg.model.num_items} but the data has {dm.num_items} items")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if cfg.dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {cfg.dtype!r}")
-    dtype = dtypes[cfg.dtype]
-    if cfg.kvcache is not None and cfg.kvcache.dtype not in (None, cfg.dtype):
-        raise ValueError(f"kvcache.dtype={cfg.kvcache.dtype!r} differs from dtype={cfg.dtype!r}: the cache holds "
-                         "the model's K/V, so leave kvcache.dtype unset or equal")
+    dtype = model_dtype(cfg.dtype, cfg.kvcache)
     module, weights = _load_or_train(cfg)
     model = module.model.to(device).eval()
     # NOTE: in half precision the cached and the recomputed scores differ by rounding, so each is held

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheConfig, KVCacheManager
+from gr_plugin.cache.config import DTYPE_NAMES
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack, next_layer
 from gr_plugin.ops import append_kv
 
@@ -122,8 +123,7 @@ class Block:
                               n_norm=4096.0)
         self.layers = [HSTULayer(self.cfg, device=torch.device(device)).to(dtype).eval() for _ in range(num_layers)]
         kv = KVCacheConfig(num_layers=num_layers, num_heads=heads, head_dim=head_dim, page_size=page_size,
-                           num_pages=num_pages, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16",
-                                                       torch.float32: "float32"}[dtype],
+                           num_pages=num_pages, dtype=DTYPE_NAMES[dtype],
                            device=device, host_cache_bytes=0)
         if host_pages:
             kv.host_cache_bytes = host_pages * kv.page_bytes

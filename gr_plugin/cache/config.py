@@ -12,11 +12,12 @@ import math
 
 import torch
 
-_DTYPES = {
+DTYPES = {  # the dtypes a cache (and a model serving from it) may hold, by name
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclasses.dataclass
@@ -44,8 +45,8 @@ class KVCacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCacheConfig.{name} must be a positive int, got {value!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"KVCacheConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVCacheConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -58,7 +59,7 @@ class KVCacheConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def torch_device(self) -> torch.device:

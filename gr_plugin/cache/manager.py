@@ -52,9 +52,9 @@ AppendFn = Callable[..., None]  # (kv_layer, k, v, slots[, rows]) -> None
 
 
 def _config_dtypes() -> dict[str, torch.dtype]:
-    from gr_plugin.cache.config import _DTYPES
+    from gr_plugin.cache.config import DTYPES
 
-    return _DTYPES
+    return DTYPES
 
 
 class TierReadError(RuntimeError):

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
+from gr_plugin.cache.config import DTYPE_NAMES
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
@@ -92,11 +93,10 @@ class KVCacheCallback(Callback):
         with step_context():
             autocast = torch.is_autocast_enabled(device)
             computed = torch.get_autocast_dtype(device) if autocast else next(pl_module.parameters()).dtype
-        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-        if computed not in names:
+        if computed not in DTYPE_NAMES:
             raise ValueError(f"KVCacheCallback: no cache dtype for K/V computed in {computed} "
                              f"(precision {trainer.precision!r}); pass dtype=")
-        return names[computed]
+        return DTYPE_NAMES[computed]
 
     def _build(self, pl_module: L.LightningModule, dtype: str) -> KVCacheModule:
         mc = pl_module.model.config

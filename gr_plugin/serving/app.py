@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gr_plugin.apps.common import make_cache, pick_device
+from gr_plugin.apps.common import make_cache, model_dtype, pick_device
 from gr_plugin.apps.infer import _load_or_train
 from gr_plugin.configs.serve import ServeConfig
 from gr_plugin.inference import RankingEngine
@@ -31,13 +31,7 @@ logger = logging.getLogger(__name__)
 
 def build_service(cfg: ServeConfig) -> tuple[RankingService, str]:
     """The replica's `RankingService` and a description of its weights."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if cfg.dtype not in dtypes:
-        raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {cfg.dtype!r}")
-    if cfg.kvcache is not None and cfg.kvcache.dtype not in (None, cfg.dtype):
-        raise ValueError(f"kvcache.dtype={cfg.kvcache.dtype!r} differs from the replica's dtype={cfg.dtype!r}: "
-                         "the cache holds the model's K/V, so leave kvcache.dtype unset or equal")
-    dtype = dtypes[cfg.dtype]
+    dtype = model_dtype(cfg.dtype, cfg.kvcache, owner="the replica's dtype")
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
     module, weights = _load_or_train(cfg)
