@@ -1,6 +1,6 @@
 """Time the fp32 form of the Triton HSTU attention kernel over tile configs on the GPU (one device call).
 
-python3 scripts/gpu/tune_fp32_attention.py [--out PATH]
+python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--out PATH]
 
 The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `recipes.infer` runs at its default
 ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
@@ -19,76 +19,85 @@ import triton
 from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as tri
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-CONFIGS = [(16, 32, 4, 1), (16, 64, 4, 1), (32, 32, 4, 1), (32, 32, 4, 2), (32, 64, 4, 1), (32, 64, 4, 2),
-           (32, 32, 8, 1), (64, 32, 4, 1), (64, 32, 8, 1), (64, 64, 4, 1), (64, 64, 8, 1), (64, 64, 4, 3),
-           (128, 32, 8, 1)]
-HEADS, DIM, PAGE, CANDS = 4, 128, 32, 64
-ALPHA, N_NORM = 1.0 / DIM ** 0.5, 4096.0
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). NOTE: the first sweep (head_dim 128, jagged, bs 8, H200,
+# docs/BENCHMARKS.md) ran (64, 64, 4, 3), the default then, at 17.7 ms and (32, 64, 4, 1) at 1.02 ms; the
+# configs here are the ones near the fast end of that sweep.
+CONFIGS = [(16, 32, 4, 1), (16, 64, 4, 1), (16, 128, 4, 1), (32, 32, 4, 1), (32, 32, 4, 2), (32, 64, 4, 1),
+           (32, 128, 4, 1), (32, 64, 8, 1), (64, 64, 8, 1), (64, 32, 4, 1)]
+HEADS, PAGE, CANDS = 4, 32, 64
+N_NORM = 4096.0
 
 
 def ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
-def jagged_case(bs, hist, g):
+def jagged_case(bs, hist, dim, g):
     n = hist + CANDS
-    q, k, v = (torch.randn(bs * n, HEADS, DIM, device="cuda", generator=g) for _ in range(3))
+    q, k, v = (torch.randn(bs * n, HEADS, dim, device="cuda", generator=g) for _ in range(3))
     off = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * n
     cands = torch.full((bs,), CANDS, device="cuda", dtype=torch.int64)
-    kw = dict(alpha=ALPHA, n_norm=N_NORM, max_seq_len=n)
+    kw = dict(alpha=dim ** -0.5, n_norm=N_NORM, max_seq_len=n)
     return ((lambda **launch: tri.hstu_attention_jagged(q, k, v, off, cands, **kw, **launch)),
             (lambda: ref.hstu_attention_jagged(q, k, v, off, cands, **kw)))
 
 
-def paged_case(bs, hist, new, g):
+def paged_case(bs, hist, new, dim, g):
     per = -(-hist // PAGE)
     npg = bs * per + 4
-    kv = torch.randn(npg, 2, PAGE, HEADS, DIM, device="cuda", generator=g)
+    kv = torch.randn(npg, 2, PAGE, HEADS, dim, device="cuda", generator=g)
     idx = torch.randperm(npg, device="cuda", generator=g)[: bs * per].to(torch.int64)
     indptr = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * per
     nq = new + CANDS
-    q, k, v = (torch.randn(bs * nq, HEADS, DIM, device="cuda", generator=g) for _ in range(3))
+    q, k, v = (torch.randn(bs * nq, HEADS, dim, device="cuda", generator=g) for _ in range(3))
     q_off = torch.arange(0, bs + 1, device="cuda", dtype=torch.int64) * nq
     hl = torch.full((bs,), hist, device="cuda", dtype=torch.int64)
     nl = torch.full((bs,), new, device="cuda", dtype=torch.int64)
-    kw = dict(alpha=ALPHA, n_norm=N_NORM, max_q_len=nq, max_history_len=hist, num_history_tokens=bs * hist)
+    kw = dict(alpha=dim ** -0.5, n_norm=N_NORM, max_q_len=nq, max_history_len=hist, num_history_tokens=bs * hist)
     return ((lambda **launch: tri.paged_hstu_attention(q, k, v, kv, idx, indptr, hl, q_off, nl, **kw, **launch)),
             (lambda: ref.paged_hstu_attention(q, k, v, kv, idx, indptr, hl, q_off, nl, **kw)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", type=int, nargs="+", default=[128])
+    ap.add_argument("--forms", nargs="+", default=["jagged", "paged"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
-    cases = [("jagged", 8, 256, None), ("jagged", 8, 1024, None), ("paged", 8, 1024, 16), ("paged", 8, 256, 16),
-             ("paged", 1, 1024, 16)]
+    cases = {"jagged": [(8, 512, None)], "paged": [(8, 1024, 16)]}
     rows = []
-    for form, bs, hist, new in cases:
-        launch, torch_ref = jagged_case(bs, hist, g) if form == "jagged" else paged_case(bs, hist, new, g)
-        base = launch()
-        want = torch_ref()
-        row = dict(form=form, bs=bs, hist=hist, new=new, config="torch", ms=ms(torch_ref),
-                   max_err=(want - base).abs().max().item())
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        default = tri._blocks(DIM, torch.float32, form == "paged", base.device)
-        for blocks in [None, *CONFIGS]:
-            name = f"default{default}" if blocks is None else str(blocks)
-            try:
-                fn = (lambda: launch()) if blocks is None else (lambda b=blocks: launch(blocks=b))
-                err = (fn() - base).abs().max().item()
-                row = dict(form=form, bs=bs, hist=hist, new=new, config=name, ms=ms(fn), max_err=err)
-            except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
-                msg = f"{type(exc).__name__}: {exc}"[:200]
-                row = dict(form=form, bs=bs, hist=hist, new=new, config=name, error=msg)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for dim, form in ((d, f) for d in args.dims for f in args.forms):
+        for bs, hist, new in cases[form]:
+            rows += sweep(form, bs, hist, new, dim, g)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def sweep(form, bs, hist, new, dim, g):
+    rows = []
+    launch, torch_ref = jagged_case(bs, hist, dim, g) if form == "jagged" else paged_case(bs, hist, new, dim, g)
+    base = launch()
+    want = torch_ref()
+    head = dict(form=form, dim=dim, bs=bs, hist=hist, new=new)
+    row = dict(head, config="torch", ms=ms(torch_ref), max_err=(want - base).abs().max().item())
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    default = tri._blocks(dim, torch.float32, form == "paged", base.device)
+    for blocks in [None, *CONFIGS]:
+        name = f"default{default}" if blocks is None else str(blocks)
+        try:
+            fn = (lambda: launch()) if blocks is None else (lambda b=blocks: launch(blocks=b))
+            err = (fn() - base).abs().max().item()
+            row = dict(head, config=name, ms=ms(fn), max_err=err)
+        except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
+            msg = f"{type(exc).__name__}: {exc}"[:200]
+            row = dict(head, config=name, error=msg)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
