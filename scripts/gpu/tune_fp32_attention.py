@@ -1,6 +1,6 @@
 """Time the fp32 form of the Triton HSTU attention kernel over tile configs on the GPU (one device call).
 
-python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--out PATH]
+python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--configs M,N,W,S ...] [--out PATH]
 
 The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `recipes.infer` runs at its default
 ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
@@ -62,21 +62,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", type=int, nargs="+", default=[128])
     ap.add_argument("--forms", nargs="+", default=["jagged", "paged"])
+    ap.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each (default CONFIGS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {"jagged": [(8, 512, None)], "paged": [(8, 1024, 16)]}
     rows = []
     for dim, form in ((d, f) for d in args.dims for f in args.forms):
         for bs, hist, new in cases[form]:
-            rows += sweep(form, bs, hist, new, dim, g)
+            rows += sweep(form, bs, hist, new, dim, g, configs)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def sweep(form, bs, hist, new, dim, g):
+def sweep(form, bs, hist, new, dim, g, configs):
     rows = []
     launch, torch_ref = jagged_case(bs, hist, dim, g) if form == "jagged" else paged_case(bs, hist, new, dim, g)
     base = launch()
@@ -86,7 +88,7 @@ def sweep(form, bs, hist, new, dim, g):
     rows.append(row)
     print(json.dumps(row), flush=True)
     default = tri._blocks(dim, torch.float32, form == "paged", base.device)
-    for blocks in [None, *CONFIGS]:
+    for blocks in [None, *configs]:
         name = f"default{default}" if blocks is None else str(blocks)
         try:
             fn = (lambda: launch()) if blocks is None else (lambda b=blocks: launch(blocks=b))

@@ -375,8 +375,16 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     NOTE: measured on the H200 (`scripts/gpu/tune_attention.py`, every split count per config,
     docs/BENCHMARKS.md): the paged form at head_dim 128 in bf16 runs fastest with 128x128 tiles and
     8 warps (0.103 ms vs 0.112 ms for 64x64 at bs 8); the jagged form prefers 64x64. Those tiles
-    take ~160 KB of shared memory, so only devices with about 200 KB per block (Hopper) get them;
-    fp32 keeps the small tiles (128x128 fp32 tiles do not fit)."""
+    take ~160 KB of shared memory, so only devices with about 200 KB per block (Hopper) get them.
+
+    fp32 (``input_precision="ieee"``: FMA dots whose operands sit in registers) takes its own, smaller
+    tiles. NOTE: measured on the H200 (`scripts/gpu/tune_fp32_attention.py`, docs/BENCHMARKS.md,
+    "The fp32 kernel's tiles"): at head_dim 128, bs 8, the 64x64 tiles on 3 stages it had before ran
+    the jagged form (512-event histories + 64 candidates) in 5.94 ms and the paged one (1024 cached)
+    in 1.90 ms, spilling registers; 32x64 tiles on 1 stage in 0.369 and 0.218 ms (the torch
+    reference: 2.0 and 2.15 ms). At head_dim 256 the 64x32 tiles took 17.5 ms, 16x32 1.02 ms."""
+    if dtype.itemsize == 4:
+        return (16, 32, 4, 1) if head_dim >= 256 else (32, 64, 4, 1)
     if head_dim >= 256:
         return 64, 32, 4, 2
     if head_dim >= 128 and paged and dtype.itemsize == 2 and _large_tiles_fit(device):
