@@ -251,6 +251,7 @@ def test_few_query_tiles_take_64_row_tiles(monkeypatch):
     # fp32's own small tiles (its FMA dots hold their operands in registers; the H200 sweep in `_blocks`)
     assert [tri._blocks(d, torch.float32, p, cpu) for d in (64, 128, 256) for p in (True, False)] == \
         [(32, 64, 4, 1)] * 4 + [(16, 32, 4, 1)] * 2
+    assert tri._blocks(32, torch.float32, True, cpu) == (64, 64, 4, 3)  # (not measured: unchanged)
     assert blocks(1, 128, paged=False) == tri._blocks(128, bf16, False, cpu)
     assert blocks(1, 64) == tri._blocks(64, bf16, True, cpu)
     monkeypatch.setattr(tri, "_shared_memory", lambda device: 166912)  # an A100's 163 KB

@@ -383,8 +383,9 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     the jagged form (512-event histories + 64 candidates) in 5.94 ms and the paged one (1024 cached)
     in 1.90 ms (register spills, presumably; not profiled); 32x64 tiles on 1 stage in 0.369 and
     0.218 ms (the torch reference: 2.0 and 2.15 ms). At head_dim 256 the 64x32 tiles took 17.5 ms,
-    16x32 1.02 ms; at 64, 64x64 2.49 ms, 32x64 0.193 ms. Head sizes 16 and 32 were not measured."""
-    if dtype.itemsize == 4:
+    16x32 1.02 ms; at 64, 64x64 2.49 ms, 32x64 0.193 ms. Head sizes 16 and 32 (a quarter of 128's
+    registers per tile or less) were not measured and keep the 64x64 tiles."""
+    if dtype.itemsize == 4 and head_dim >= 64:
         return (16, 32, 4, 1) if head_dim >= 256 else (32, 64, 4, 1)
     if head_dim >= 256:
         return 64, 32, 4, 2
