@@ -344,13 +344,19 @@ class TieredBackend(HostTier):
         with self._write_lock:
             self._writes.append((key, self._pool.submit(run)))
 
-    def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
-                      from_lower_tier: bool) -> None:
-        targets = []
+    def _write_targets(self, from_lower_tier: bool) -> list[tuple[str, PageStore]]:
+        """The lower tiers that pages published in the host tier are written through to (none for
+        pages that came up from a lower tier)."""
+        targets: list[tuple[str, PageStore]] = []
         if self._ssd is not None and self.tiers.write_policy == "write_through" and not from_lower_tier:
             targets.append(("ssd", self._ssd))
         if self._remote is not None and self.tiers.remote_write_through and not from_lower_tier:
             targets.append(("remote", self._remote))
+        return targets
+
+    def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
+                      from_lower_tier: bool) -> None:
+        targets = self._write_targets(from_lower_tier)
         if targets:
             # NOTE: read on the worker, off the caller's thread (a gather of MBs per user at the
             # large models' page sizes): a reservation that takes the slots first voids the write.

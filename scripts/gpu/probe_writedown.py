@@ -20,11 +20,7 @@ from gr_plugin.cache import tiered
 
 
 def _on_published_caller(self, key, first_page, slots, hashes, from_lower_tier):
-    targets = []
-    if self._ssd is not None and self.tiers.write_policy == "write_through" and not from_lower_tier:
-        targets.append(("ssd", self._ssd))
-    if self._remote is not None and self.tiers.remote_write_through and not from_lower_tier:
-        targets.append(("remote", self._remote))
+    targets = self._write_targets(from_lower_tier)
     if targets:
         self._write_down(key, first_page, hashes, self._stage(torch.tensor(slots, dtype=torch.int64)), targets)
 
