@@ -6,7 +6,8 @@ The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `rec
 ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
 it took 2.29 ms a launch (docs/BENCHMARKS.md, "`recipes.infer` on the H200"). Each case runs the jagged (full pass)
 and the paged (cached step) form with every config of `CONFIGS`, the default's blocks (`_blocks`) first, and the
-pure-torch reference (cuBLAS, TF32 off) beside them; every config's output is checked against the default's.
+pure-torch reference (cuBLAS, TF32 off) beside them; each row reports its output's max abs difference from the
+default's (``max_err``; the reference's from the default's in its own row).
 Prints one JSON line per measurement (median ms of `triton.testing.do_bench`) and writes them to ``--out``.
 """
 

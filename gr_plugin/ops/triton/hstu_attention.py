@@ -380,11 +380,11 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     fp32 (``input_precision="ieee"``: FMA dots whose operands sit in registers) takes its own, smaller
     tiles. NOTE: measured on the H200 (`scripts/gpu/tune_fp32_attention.py`, docs/BENCHMARKS.md,
     "The fp32 kernel's tiles"): at head_dim 128, bs 8, the 64x64 tiles on 3 stages it had before ran
-    the jagged form (512-event histories + 64 candidates) in 5.94 ms and the paged one (1024 cached)
-    in 1.90 ms (register spills, presumably; not profiled); 32x64 tiles on 1 stage in 0.369 and
-    0.218 ms (the torch reference: 2.0 and 2.15 ms). At head_dim 256 the 64x32 tiles took 17.5 ms,
-    16x32 1.02 ms; at 64, 64x64 2.49 ms, 32x64 0.193 ms. Head sizes 16 and 32 (a quarter of 128's
-    registers per tile or less) were not measured and keep the 64x64 tiles."""
+    the jagged form (512-event histories + 64 candidates) in 5.94 ms and the paged one (1024-token
+    histories, 16 of them new) in 1.90 ms (register spills, presumably; not profiled); 32x64 tiles
+    on 1 stage in 0.369 and 0.218 ms (the torch reference: 2.0 and 2.15 ms). At head_dim 256 the
+    64x32 tiles took 17.5 ms, 16x32 1.02 ms; at 64, 64x64 2.49 ms, 32x64 0.193 ms. Head sizes 16
+    and 32 were not measured and keep the 64x64 tiles (they may spill as 64 did)."""
     if dtype.itemsize == 4 and head_dim >= 64:
         return (16, 32, 4, 1) if head_dim >= 256 else (32, 64, 4, 1)
     if head_dim >= 256:
