@@ -1,21 +1,39 @@
-"""Dispatch of the HSTU attention ops: the Triton kernel for CUDA tensors it supports, else the
-pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``, which also defines the semantics).
+"""Dispatch of the HSTU attention ops: the Triton kernel for CUDA tensors it supports; for CPU tensors
+that need no gradient, the ``gr_kv`` C++ CPU kernels (`gr_plugin.ops.library`: per user, no padding;
+the ops an exported package runs); else the pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``,
+which also defines the semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
-the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests. The Triton kernels are forward-only:
-when autograd needs the attention's gradient (training), ``auto`` takes the reference, whose torch
-ops have a backward, and ``triton`` is an error rather than a silently cut gradient.
+the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. The
+Triton and C++ kernels are forward-only: when autograd needs the attention's gradient (training),
+``auto`` takes the reference, whose torch ops have a backward, and ``triton`` is an error rather than
+a silently cut gradient.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from gr_plugin.ops import norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cpu_ops():
+    """``torch.ops.gr_kv`` with its CPU kernels loaded (built at first use, `gr_plugin.csrc.build`), or
+    None where they cannot be built or loaded (then the CPU takes the reference, with one warning)."""
+    try:
+        from gr_plugin.ops import library  # noqa: F401 - loads the C++ ops
+    except Exception as e:
+        logger.warning("the gr_kv C++ CPU attention is unavailable, the CPU takes the pure-torch reference: %s", e)
+        return None
+    return torch.ops.gr_kv
 
 
 @functools.cache
@@ -47,12 +65,32 @@ def _use_triton(q: torch.Tensor, *more: torch.Tensor) -> bool:
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor):
+    """``torch.ops.gr_kv`` where its C++ CPU kernels serve these inputs (``auto``, CPU tensors, no
+    gradient needed: they have no backward), else None.
+
+    NOTE: the reference pads every user to the batch's longest sequence and builds the mask as
+    ``[B, S, S]`` tensors; the C++ kernels run each user at its own length, in place. Measured on the
+    CPU dev box (docs/BENCHMARKS.md, "The CPU attention"): 8 users of 40-1024 history events + 64
+    candidates, 2 heads of 32, fp32, the jagged form: 124 ms through the reference, 3.9 ms here."""
+    if os.environ.get("GR_PLUGIN_ATTENTION", "auto") != "auto" or q.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *more)):
+        return None
+    return _cpu_ops()
+
+
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
                           max_seq_len: int) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]``; see the reference for the semantics."""
-    impl = _triton_ops() if _use_triton(q, k, v) else _ref
-    return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+    if _use_triton(q, k, v):
+        return _triton_ops().hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+                                                   max_seq_len=max_seq_len)
+    cpu = _cpu_kernels(q, k, v)
+    if cpu is not None:
+        return cpu.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm)
+    return _ref.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                       max_seq_len=max_seq_len)
 
 
@@ -76,9 +114,18 @@ def paged_hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     sizes = dict(alpha=alpha, n_norm=n_norm, max_q_len=max_q_len, max_history_len=max_history_len,
                  num_history_tokens=num_history_tokens)
     if norm_gate is None:
-        return impl.paged_hstu_attention(*args, **sizes)
+        return _unfused(impl, triton_attention, args, sizes)
     weight, bias, eps, u = norm_gate
     if triton_attention and norm.takes_kernel(q, weight, bias, u) and u.shape == (q.shape[0], q.shape[1] * q.shape[2]):
         return impl.paged_hstu_attention(*args, **sizes, norm_gate=tuple(norm_gate), silu_gate=silu_gate)
-    out = impl.paged_hstu_attention(*args, **sizes)
+    out = _unfused(impl, triton_attention, args, sizes)
     return norm.layer_norm_mul(out.flatten(1), weight, bias, eps, u, silu_u=silu_gate)
+
+
+def _unfused(impl, triton_attention: bool, args: tuple, sizes: dict) -> torch.Tensor:
+    """The paged attention's output alone: the Triton kernel's, the C++ CPU kernel's where it serves
+    (`_cpu_kernels`), else the reference's."""
+    cpu = None if triton_attention else _cpu_kernels(*args[:4])
+    if cpu is not None:
+        return cpu.paged_hstu_attention(*args, sizes["alpha"], sizes["n_norm"])
+    return impl.paged_hstu_attention(*args, **sizes)

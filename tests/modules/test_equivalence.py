@@ -15,7 +15,9 @@ def assert_same(cached, full):
 
 
 @pytest.mark.parametrize("backend", ["gpu", "native"])
-def test_returning_users_get_recompute_scores(backend):
+@pytest.mark.parametrize("attention", ["auto", "reference"])  # the C++ CPU kernels, the pure-torch reference
+def test_returning_users_get_recompute_scores(backend, attention, monkeypatch):
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", attention)
     model = tiny_model()
     cache = tiny_cache(model, backend=backend)
     g = torch.Generator().manual_seed(1)
@@ -29,6 +31,26 @@ def test_returning_users_get_recompute_scores(backend):
         if visit:
             assert sum(plan.cached_lengths) > 0
     assert cache.stats()["hit_rate"] > 0.4
+
+
+def test_cpu_kernels_score_as_the_reference(monkeypatch):
+    """The model's scores on the C++ CPU attention (``auto``) equal the reference's, cached and full."""
+    model = tiny_model()
+    got = {}
+    for attention in ("auto", "reference"):
+        monkeypatch.setenv("GR_PLUGIN_ATTENTION", attention)
+        g = torch.Generator().manual_seed(4)  # (the same users and candidates for both)
+        users = [User(u, g) for u in range(3)]
+        cache = tiny_cache(model, backend="gpu")
+        for visit in range(2):
+            for u in users:
+                u.grow(2 if visit else 9 + 4 * u.uid)
+            cands = [u.candidates(4) for u in users]
+            cached, plan = cached_scores(model, cache, users, cands)
+        assert sum(plan.cached_lengths) > 0
+        got[attention] = (cached, full_scores(model, users, cands))
+    assert_same(got["auto"][0], got["reference"][0])
+    assert_same(got["auto"][1], got["reference"][1])
 
 
 def test_candidate_scores_do_not_depend_on_the_other_candidates():
