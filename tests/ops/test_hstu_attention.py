@@ -101,3 +101,37 @@ def test_reference_page_ops_used_consistently():
     paged_ops.append_kv(table, k, v, slots)
     k2, v2 = paged_ops.gather_kv(table, slots)
     assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
+    """`gr_plugin.ops` on CPU tensors: the gr_kv C++ kernels where no gradient is needed (``auto``), the
+    reference where one is, or where ``GR_PLUGIN_ATTENTION=reference``; the outputs agree."""
+    from gr_plugin.ops import hstu_attention as dispatch
+    from gr_plugin.ops.pytorch import hstu_attention as ref
+
+    calls = []
+    for name in ("hstu_attention_jagged", "paged_hstu_attention"):
+        real = getattr(ref, name)
+        monkeypatch.setattr(ref, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    lens, cands = [9, 1, 14], [2, 1, 3]  # (a user of one candidate and no history)
+    q, k, v = (torch.randn(sum(lens), 2, 8, generator=g) for _ in range(3))
+    offsets = torch.tensor([0, 9, 10, 24])
+    args = (q, k, v, offsets, torch.tensor(cands))
+    kw = dict(alpha=0.3, n_norm=8.0, max_seq_len=14)
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
+    with torch.no_grad():
+        fast = dispatch.hstu_attention_jagged(*args, **kw)
+    assert calls == []  # the C++ kernel served it
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "reference")
+    slow = dispatch.hstu_attention_jagged(*args, **kw)
+    assert calls == ["hstu_attention_jagged"]
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
+    leaf = q.clone().requires_grad_()
+    out = dispatch.hstu_attention_jagged(leaf, k, v, *args[3:], **kw)  # training: the reference, with a backward
+    assert calls == ["hstu_attention_jagged"] * 2
+    out.sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+    with torch.no_grad(), pytest.raises(ValueError, match="seq_offsets"):  # the C++ kernel's own checks
+        dispatch.hstu_attention_jagged(q, k, v, torch.tensor([0, 9, 5, 24]), torch.tensor(cands), **kw)
