@@ -8,7 +8,7 @@ manager's stages wrapped, then prints the run's latency lines and each stage's c
 tier, and the write-down to SSD / remote queued; its gather, ``_stage``, runs on the tier's worker) and
 ``_offload`` (the write-through launched).
 ``--kernels``: the whole run under ``torch.profiler`` too (give it ``max_batches=``), then the 25
-kernels with the most device time.
+kernels with the most device time (ops with the most CPU time on a CPU run).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -67,7 +68,9 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             summary = infer.run(OmegaConf.to_object(cfg), out)
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+        on_gpu = torch.cuda.is_available() and cfg.device != "cpu"
+        sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
     else:
         summary = infer.run(OmegaConf.to_object(cfg), out)
     print(f"== {option} {' '.join(overrides)}")
