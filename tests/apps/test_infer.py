@@ -76,11 +76,15 @@ def test_half_precision_holds_the_cached_scores_to_the_fp32_recompute(tmp_path, 
 
 
 def test_half_precision_on_the_cpu_kernels(tmp_path):
+    from gr_plugin.ops import hstu_attention as dispatch
+
+    assert dispatch._cpu_ops() is not None  # (``auto`` runs the C++ CPU kernels here)
     opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002)
     summary = infer.run(tiny_cfg(tmp_path, opts, dtype="bfloat16"), tmp_path / "out")
     cached, full = summary["max_err_cached_vs_fp32"], summary["max_err_full_vs_fp32"]
     assert summary["hit_rate"] > 0.6 and summary["equivalence"] == "PASS"
     assert 0 < full < 0.1 and cached <= 2 * full
+    assert summary["max_abs_diff"] <= 1e-6  # the attention in fp32 in both passes: they agree to fp32's rounding
 
 
 def test_a_bad_dtype_is_a_clear_error(tmp_path):

@@ -58,7 +58,7 @@ def test_export_declares_the_table_mutation():
     cache.abort(plan)
 
 
-def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
+def test_aoti_package_equals_eager_and_full_recompute(tmp_path, monkeypatch):
     model = tiny_model(1, head_dim=16)
     cache = tiny_cache(model, backend="native")
     g = torch.Generator().manual_seed(3)
@@ -76,7 +76,9 @@ def test_aoti_package_equals_eager_and_full_recompute(tmp_path):
         cands = [u.candidates(ncand + (visit + u.uid) % 3) for u in users]
         history, candidates, plan = _step(cache, users, cands)
         with torch.no_grad():
-            full = model(history, candidates)
+            with monkeypatch.context() as m:  # the oracle: the pure-torch reference, not the package's C++ ops
+                m.setenv("GR_PLUGIN_ATTENTION", "reference")
+                full = model(history, candidates)
             table = cache.kv_table.clone()
             eager = model.forward_cached(history, candidates, cache, plan)
             eager_table = cache.kv_table.clone()

@@ -135,3 +135,35 @@ def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
     assert leaf.grad is not None and leaf.grad.abs().sum() > 0
     with torch.no_grad(), pytest.raises(ValueError, match="seq_offsets"):  # the C++ kernel's own checks
         dispatch.hstu_attention_jagged(q, k, v, torch.tensor([0, 9, 5, 24]), torch.tensor(cands), **kw)
+
+
+def test_cpu_dispatch_of_the_paged_form_with_and_without_the_norm_gate(monkeypatch):
+    """The paged form on CPU tensors under ``inference_mode``: the C++ kernel alone, with the layer's
+    norm gate after it, and with the gate's SiLU, equal to the reference's (which ``reference`` runs)."""
+    from gr_plugin.ops import hstu_attention as dispatch
+    from gr_plugin.ops import norm
+    from gr_plugin.ops.pytorch import hstu_attention as ref
+
+    from .test_triton_attention import build
+
+    calls = []
+    real = ref.paged_hstu_attention
+    monkeypatch.setattr(ref, "paged_hstu_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _, p = build([37, 0, 90], [3, 2, 1], [20, 0, 64], 8, 2, 16, torch.float32, "cpu")
+    args = [p[n] for n in ("q", "k", "v", "kv_layer", "kv_indices", "kv_indptr", "history_lengths", "q_offsets",
+                           "new_lengths")]
+    sizes = dict(alpha=0.3, n_norm=8.0, max_q_len=p["max_q_len"], max_history_len=p["max_history_len"],
+                 num_history_tokens=p["num_history_tokens"])
+    g = torch.Generator().manual_seed(1)
+    gate = norm.NormGate(torch.randn(32, generator=g), torch.randn(32, generator=g), 1e-5,
+                         torch.randn(p["q"].shape[0], 32, generator=g))
+    outs = {}
+    for mode in ("auto", "reference"):
+        monkeypatch.setenv("GR_PLUGIN_ATTENTION", mode)
+        with torch.inference_mode():
+            outs[mode] = [dispatch.paged_hstu_attention(*args, **sizes),
+                          dispatch.paged_hstu_attention(*args, **sizes, norm_gate=gate),
+                          dispatch.paged_hstu_attention(*args, **sizes, norm_gate=gate, silu_gate=True)]
+        assert len(calls) == (0 if mode == "auto" else 3)  # auto: the C++ kernel served all three
+    for fast, slow in zip(outs["auto"], outs["reference"]):
+        torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
