@@ -2,7 +2,9 @@
 # One device call's worth of GPU performance checks (results under $OUT):
 #   tests/gpu (gputests), the kernel GPU tests with the tanh.approx SiLU (kernels), e2e at bs 8 and 1, the e2e profile at bs 8,
 #   step_host on this host, the block table's 4096/3968 rows; the tiers and transfer tables (tiers), a profile of
-#   the layerwise host hit (tiers_profile), the AOTInductor/extension crash probe (aoti_probe).
+#   the layerwise host hit (tiers_profile), the AOTInductor/extension crash probe (aoti_probe); fp32: the fp32
+#   kernel's tiles at the head sizes not yet swept (16, 32) with the old tiles beside them, and `recipes.infer`'s
+#   default model and `hstu_large` in fp32 (fp32).
 # Usage (device):  source scripts/gpu/setup_device.sh && bash scripts/gpu/perf_round.sh [parts...]
 parts=${*:-"kernels e2e profile step_host block"}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -23,6 +25,12 @@ for p in $parts; do
     tiers) python3 -m recipes.bench suite=block 'block.parts=[transfer,tiers]' out_dir="$out" \
              hydra/job_logging=disabled 2>&1 | tail -20 | tee "$out/tiers.txt" ;;
     tiers_profile) python3 scripts/gpu/profile_tiers.py > "$out/profile_tiers.txt" 2>&1; grep "===\|busy" "$out/profile_tiers.txt" ;;
+    fp32) python3 scripts/gpu/tune_fp32_attention.py --dims 32 16 --configs 64,64,4,3 32,64,4,1 32,32,4,1 16,32,4,1 \
+            2>&1 | grep '^{' | tee "$out/fp32_tiles.jsonl"
+          for m in hstu_small hstu_large; do
+            python3 scripts/gpu/profile_infer.py gpu device=cuda train_if_missing=false model=$m 2>&1 \
+              | grep -A30 '^== ' | tee -a "$out/fp32_infer.txt"
+          done ;;
     aoti_probe) python3 scripts/gpu/aoti_probe.py /tmp/ap tools ext3 bt gdb ext_O0 ext_nosplit aoti aoti_O0 \
                   > "$out/aoti_probe.txt" 2>&1; grep -- "^---" "$out/aoti_probe.txt" ;;
   esac
