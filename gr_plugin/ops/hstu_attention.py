@@ -89,7 +89,8 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                                                    max_seq_len=max_seq_len)
     cpu = _cpu_kernels(q, k, v)
     if cpu is not None:
-        return cpu.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm)
+        # (int64 as the C++ ops require; the reference took any integer type: ``long()`` copies only then)
+        return cpu.hstu_attention_jagged(q, k, v, seq_offsets.long(), num_candidates.long(), alpha, n_norm)
     return _ref.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                       max_seq_len=max_seq_len)
 
@@ -127,5 +128,5 @@ def _unfused(impl, triton_attention: bool, args: tuple, sizes: dict) -> torch.Te
     (`_cpu_kernels`), else the reference's."""
     cpu = None if triton_attention else _cpu_kernels(*args[:4])
     if cpu is not None:
-        return cpu.paged_hstu_attention(*args, sizes["alpha"], sizes["n_norm"])
+        return cpu.paged_hstu_attention(*args[:4], *(t.long() for t in args[4:]), sizes["alpha"], sizes["n_norm"])
     return impl.paged_hstu_attention(*args, **sizes)

@@ -133,6 +133,8 @@ def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
     assert calls == ["hstu_attention_jagged"] * 2
     out.sum().backward()
     assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+    with torch.no_grad():  # int32 offsets and counts, which the reference takes too
+        torch.testing.assert_close(dispatch.hstu_attention_jagged(q, k, v, offsets.int(), args[4].int(), **kw), fast)
     with torch.no_grad(), pytest.raises(ValueError, match="seq_offsets"):  # the C++ kernel's own checks
         dispatch.hstu_attention_jagged(q, k, v, torch.tensor([0, 9, 5, 24]), torch.tensor(cands), **kw)
 
