@@ -169,3 +169,33 @@ def test_cpu_dispatch_of_the_paged_form_with_and_without_the_norm_gate(monkeypat
         assert len(calls) == (0 if mode == "auto" else 3)  # auto: the C++ kernel served all three
     for fast, slow in zip(outs["auto"], outs["reference"]):
         torch.testing.assert_close(fast, slow, rtol=0, atol=1e-5)
+
+
+def test_cpu_dispatch_falls_back_to_the_reference_where_the_cpp_ops_cannot_load(monkeypatch, caplog):
+    """Where the gr_kv C++ ops cannot be built or loaded, CPU inference takes the reference, with one warning."""
+    import sys
+
+    from gr_plugin.ops import hstu_attention as dispatch
+    from gr_plugin.ops.pytorch import hstu_attention as ref
+
+    calls = []
+    real = ref.hstu_attention_jagged
+    monkeypatch.setattr(ref, "hstu_attention_jagged", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    import gr_plugin.ops
+
+    monkeypatch.setitem(sys.modules, "gr_plugin.ops.library", None)  # (an import of it raises ImportError)
+    monkeypatch.delattr(gr_plugin.ops, "library", raising=False)
+    dispatch._cpu_ops.cache_clear()
+    try:
+        q, k, v = (torch.randn(7, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        with torch.no_grad(), caplog.at_level("WARNING", logger=dispatch.__name__):
+            for _ in range(2):
+                dispatch.hstu_attention_jagged(q, k, v, torch.tensor([0, 7]), torch.tensor([2]), alpha=0.3,
+                                               n_norm=8.0, max_seq_len=7)
+        assert calls == [1, 1]
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # warned once
+        assert "the CPU takes the pure-torch reference" in caplog.records[0].message
+    finally:
+        monkeypatch.undo()
+        dispatch._cpu_ops.cache_clear()
+    assert dispatch._cpu_ops() is not None
