@@ -18,6 +18,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,6 +146,50 @@ void attend_user(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   }
 }
 
+// A piece of a batch's attention: heads [h0, h0 + nh) of user b, and its size (query rows x keys x heads).
+struct Piece {
+  int64_t b, h0, nh;
+  double cost;
+};
+
+// Runs body(piece) over the batch's users, in parallel on the intra-op threads, costliest first, each thread
+// taking the next piece as it frees up (longest-processing-time first). A user costing more than an even
+// share of the batch is cut into head ranges (up to one per thread), so one long history does not run on one
+// thread while the others idle: its GEMMs run single-threaded inside the parallel region. One piece, or one
+// thread, runs inline, where the ATen ops use the threads themselves. Each piece writes only its own output
+// rows x heads (no cross-piece reduction), so a batch gives the same bits every run.
+// NOTE: measured on the CPU dev box (2 threads; `scripts/bench_cpu_attention.py`, docs/BENCHMARKS.md,
+// "The CPU attention"): with one task per user in static chunks, a batch of one 1024-event history and seven
+// of 32 took 1.9x the long user's time alone.
+template <typename Cost, typename Body>
+void for_each_piece(int64_t bsz, int64_t heads, const Cost& cost, const Body& body) {
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  std::vector<double> costs(bsz);
+  double total = 0;
+  for (int64_t b = 0; b < bsz; ++b) total += (costs[b] = cost(b));
+  std::vector<Piece> pieces;
+  for (int64_t b = 0; b < bsz; ++b) {
+    if (costs[b] <= 0) continue;
+    const int64_t share = static_cast<int64_t>(std::ceil(costs[b] * threads / total));  // even shares it spans
+    const int64_t cuts = threads > 1 ? std::clamp<int64_t>(share, 1, std::min(heads, threads)) : 1;
+    for (int64_t i = 0; i < cuts; ++i) {
+      const int64_t h0 = heads * i / cuts, h1 = heads * (i + 1) / cuts;
+      pieces.push_back({b, h0, h1 - h0, costs[b] * (h1 - h0) / heads});
+    }
+  }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& c) { return a.cost > c.cost; });
+  if (threads <= 1 || pieces.size() <= 1) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    for (const Piece& p : pieces) body(p);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, static_cast<int64_t>(pieces.size())), 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
+    for (size_t i; (i = next.fetch_add(1)) < pieces.size();) body(pieces[i]);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------------
 // append_kv: kv_layer[page(slots[i]), {0,1}, offset(slots[i])] = k[rows[i]], v[rows[i]]
 
@@ -242,22 +288,19 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
   const int64_t heads = q.size(1), dim = q.size(2);
   if (nq == 0) return out;
   const Tensor k_table = kv_layer.select(1, 0), v_table = kv_layer.select(1, 1);  // [num_pages, P, H, D]
-  // NOTE: one task per user, each writing only its own output rows (no cross-task reduction), so repeated
-  // runs give the same bits; inside the parallel region a user's ATen ops run single-threaded.
-  at::parallel_for(0, bsz, 1, [&](int64_t lo, int64_t hi) {
-    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = qo[b + 1] - qo[b], n_hist = hist[b], n_new = newl[b];
-      if (n == 0) continue;
-      // the user's history K/V, gathered from its pages: [L, H, D]
-      const int64_t num_user_pages = n_hist / page_size + (n_hist % page_size != 0);
-      const Tensor pages = idx_t.narrow(0, ptr[b], num_user_pages);
-      const auto gather = [&](const Tensor& table) {
-        return table.index_select(0, pages).reshape({num_user_pages * page_size, heads, dim}).narrow(0, 0, n_hist);
-      };
-      attend_user(q.narrow(0, qo[b], n), k.narrow(0, qo[b], n), v.narrow(0, qo[b], n), gather(k_table),
-                  gather(v_table), n_new, n_hist - n_new, alpha, n_norm, out.narrow(0, qo[b], n));
-    }
+  const auto cost = [&](int64_t b) { return static_cast<double>(qo[b + 1] - qo[b]) * (hist[b] + 1); };
+  for_each_piece(bsz, heads, cost, [&](const Piece& w) {
+    const int64_t b = w.b, n = qo[b + 1] - qo[b], n_hist = hist[b], n_new = newl[b];
+    const auto rows = [&](const Tensor& t) { return t.narrow(0, qo[b], n).narrow(1, w.h0, w.nh); };
+    // the user's history K/V of these heads, gathered from its pages: [L, nh, D]
+    const int64_t num_user_pages = n_hist / page_size + (n_hist % page_size != 0);
+    const Tensor pages = idx_t.narrow(0, ptr[b], num_user_pages);
+    const auto gather = [&](const Tensor& table) {
+      return table.narrow(2, w.h0, w.nh).index_select(0, pages)
+          .reshape({num_user_pages * page_size, w.nh, dim}).narrow(0, 0, n_hist);
+    };
+    attend_user(rows(q), rows(k), rows(v), gather(k_table), gather(v_table), n_new, n_hist - n_new, alpha,
+                n_norm, rows(out));
   });
   return out;
 }
@@ -286,16 +329,13 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
   }
   Tensor out = at::empty_like(q);
   if (total == 0) return out;
-  // NOTE: as in paged_hstu_attention: one task per user, disjoint output rows, no cross-task reduction.
-  at::parallel_for(0, bsz, 1, [&](int64_t lo, int64_t hi) {
-    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t start = so[b], n = so[b + 1] - start, n_hist = n - nc[b];
-      if (n == 0) continue;
-      const Tensor qu = q.narrow(0, start, n), ku = k.narrow(0, start, n), vu = v.narrow(0, start, n);
-      attend_user(qu, ku, vu, ku.narrow(0, 0, n_hist), vu.narrow(0, 0, n_hist), n_hist, 0, alpha, n_norm,
-                  out.narrow(0, start, n));
-    }
+  const int64_t heads = q.size(1);
+  const auto cost = [&](int64_t b) { return static_cast<double>(so[b + 1] - so[b]) * (so[b + 1] - so[b]); };
+  for_each_piece(bsz, heads, cost, [&](const Piece& w) {  // (as in paged_hstu_attention)
+    const int64_t start = so[w.b], n = so[w.b + 1] - start, n_hist = n - nc[w.b];
+    const auto rows = [&](const Tensor& t) { return t.narrow(0, start, n).narrow(1, w.h0, w.nh); };
+    const Tensor qu = rows(q), ku = rows(k), vu = rows(v);
+    attend_user(qu, ku, vu, ku.narrow(0, 0, n_hist), vu.narrow(0, 0, n_hist), n_hist, 0, alpha, n_norm, rows(out));
   });
   return out;
 }

@@ -94,6 +94,29 @@ def test_cpp_kernels_match_the_references(hist, cand, cached, page_size):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("heads", [1, 3, 4])
+def test_cpp_kernels_cut_a_long_user_by_heads_with_equal_results(threads, heads):
+    """A batch whose one long history costs more than an even share of the threads' work is cut into head
+    ranges run in parallel (`for_each_piece`); other users run whole, costliest first. Equal to the
+    references at every thread count and head count, and the same bits run to run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        jag, paged = build([300, 5, 0, 17, 9], [4, 1, 2, 3, 1], [250, 5, 0, 10, 0], 8, heads, 16, torch.float32,
+                           "cpu", seed=heads)
+        got = _call_paged(paged)
+        torch.testing.assert_close(got, _ref_paged(paged), rtol=0, atol=1e-5)
+        assert torch.equal(_call_paged(paged), got)
+        args = [jag[n] for n in ("q", "k", "v", "seq_offsets", "num_candidates")]
+        got = OPS.hstu_attention_jagged(*args, ALPHA, NORM)
+        torch.testing.assert_close(got, ref.hstu_attention_jagged(*args, alpha=ALPHA, n_norm=NORM,
+                                                                  max_seq_len=jag["max_seq_len"]), rtol=0, atol=1e-5)
+        assert torch.equal(OPS.hstu_attention_jagged(*args, ALPHA, NORM), got)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cpp_kernels_read_strided_views_and_other_dtypes():
     """q/k/v as the layers make them (chunks of one projection: strided), in fp64 and bf16."""
     p = _paged(dtype=torch.float64)
