@@ -22,6 +22,8 @@ CASES = {  # name: history lengths of the batch's users
     "mixed (ML-1M-like)": [1024, 300, 150, 80, 60, 500, 40, 200],
     "one long": [1024] + [32] * 7,
     "balanced": [256] * 8,
+    "near even": [520, 500],
+    "many short": [24] * 64,
     "bs 1": [1024],
 }
 CANDS, NEW, PAGE = 64, 16, 32

@@ -153,14 +153,22 @@ struct Piece {
 };
 
 // Runs body(piece) over the batch's users, in parallel on the intra-op threads, costliest first, each thread
-// taking the next piece as it frees up (longest-processing-time first). A user costing more than an even
-// share of the batch is cut into head ranges (up to one per thread), so one long history does not run on one
-// thread while the others idle: its GEMMs run single-threaded inside the parallel region. One piece, or one
-// thread, runs inline, where the ATen ops use the threads themselves. Each piece writes only its own output
-// rows x heads (no cross-piece reduction), so a batch gives the same bits every run.
+// taking the next piece as it frees up (longest-processing-time first). A user costing more than 1.25 even
+// shares of the batch is cut into head ranges (up to one per thread), so one long history does not run on
+// one thread while the others idle: its GEMMs run single-threaded inside the parallel region (a user just
+// over one share is not cut: its pieces' fixed costs would outweigh the gain). One piece, or one thread, runs
+// inline, where the ATen ops use the threads themselves. Each piece writes only its own output rows x heads
+// (no cross-piece reduction), so at a given thread count repeated calls give the same bits, as far as the
+// BLAS keeps its code path (after a change of the thread count MKL was seen to vary cut users' GEMMs by
+// ~2e-8; MKL_CBWR=COMPATIBLE pins it). Across thread counts a cut user's bits may differ at that level.
 // NOTE: measured on the CPU dev box (2 threads; `scripts/bench_cpu_attention.py`, docs/BENCHMARKS.md,
 // "The CPU attention"): with one task per user in static chunks, a batch of one 1024-event history and seven
 // of 32 took 1.9x the long user's time alone.
+// The piece's heads of t (dimension dim); t itself where the piece holds them all (no view to make).
+Tensor head_range(const Tensor& t, const Piece& w, int64_t heads, int64_t dim) {
+  return w.nh == heads ? t : t.narrow(dim, w.h0, w.nh);
+}
+
 template <typename Cost, typename Body>
 void for_each_piece(int64_t bsz, int64_t heads, const Cost& cost, const Body& body) {
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -170,8 +178,9 @@ void for_each_piece(int64_t bsz, int64_t heads, const Cost& cost, const Body& bo
   std::vector<Piece> pieces;
   for (int64_t b = 0; b < bsz; ++b) {
     if (costs[b] <= 0) continue;
-    const int64_t share = static_cast<int64_t>(std::ceil(costs[b] * threads / total));  // even shares it spans
-    const int64_t cuts = threads > 1 ? std::clamp<int64_t>(share, 1, std::min(heads, threads)) : 1;
+    const double shares = costs[b] * threads / total;  // even shares of the batch it holds
+    const int64_t most = std::max<int64_t>(1, std::min(heads, threads));
+    const int64_t cuts = threads > 1 && shares > 1.25 ? std::min(most, static_cast<int64_t>(std::ceil(shares))) : 1;
     for (int64_t i = 0; i < cuts; ++i) {
       const int64_t h0 = heads * i / cuts, h1 = heads * (i + 1) / cuts;
       pieces.push_back({b, h0, h1 - h0, costs[b] * (h1 - h0) / heads});
@@ -291,12 +300,12 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
   const auto cost = [&](int64_t b) { return static_cast<double>(qo[b + 1] - qo[b]) * (hist[b] + 1); };
   for_each_piece(bsz, heads, cost, [&](const Piece& w) {
     const int64_t b = w.b, n = qo[b + 1] - qo[b], n_hist = hist[b], n_new = newl[b];
-    const auto rows = [&](const Tensor& t) { return t.narrow(0, qo[b], n).narrow(1, w.h0, w.nh); };
+    const auto rows = [&](const Tensor& t) { return head_range(t.narrow(0, qo[b], n), w, heads, 1); };
     // the user's history K/V of these heads, gathered from its pages: [L, nh, D]
     const int64_t num_user_pages = n_hist / page_size + (n_hist % page_size != 0);
     const Tensor pages = idx_t.narrow(0, ptr[b], num_user_pages);
     const auto gather = [&](const Tensor& table) {
-      return table.narrow(2, w.h0, w.nh).index_select(0, pages)
+      return head_range(table, w, heads, 2).index_select(0, pages)
           .reshape({num_user_pages * page_size, w.nh, dim}).narrow(0, 0, n_hist);
     };
     attend_user(rows(q), rows(k), rows(v), gather(k_table), gather(v_table), n_new, n_hist - n_new, alpha,
@@ -333,7 +342,7 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
   const auto cost = [&](int64_t b) { return static_cast<double>(so[b + 1] - so[b]) * (so[b + 1] - so[b]); };
   for_each_piece(bsz, heads, cost, [&](const Piece& w) {  // (as in paged_hstu_attention)
     const int64_t start = so[w.b], n = so[w.b + 1] - start, n_hist = n - nc[w.b];
-    const auto rows = [&](const Tensor& t) { return t.narrow(0, start, n).narrow(1, w.h0, w.nh); };
+    const auto rows = [&](const Tensor& t) { return head_range(t.narrow(0, start, n), w, heads, 1); };
     const Tensor qu = rows(q), ku = rows(k), vu = rows(v);
     attend_user(qu, ku, vu, ku.narrow(0, 0, n_hist), vu.narrow(0, 0, n_hist), n_hist, 0, alpha, n_norm, rows(out));
   });
