@@ -527,8 +527,8 @@ class KVCacheManager:
                 self._stats.tokens_reused_device += plan.device_tokens[b]
                 self._stats.tokens_reused_host += plan.onboard_tokens[b]
                 self._stats.tokens_computed += plan.new_lengths[b]
-            for tier, n in plan.lower_tier_tokens.items():
-                setattr(self._stats, f"tokens_reused_{tier}", getattr(self._stats, f"tokens_reused_{tier}") + n)
+            self._stats.tokens_reused_ssd += plan.lower_tier_tokens.get("ssd", 0)
+            self._stats.tokens_reused_remote += plan.lower_tier_tokens.get("remote", 0)
             plan.state = "committed"
             del self._plans[plan.plan_id]
             self._stats.commits += 1

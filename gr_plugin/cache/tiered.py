@@ -368,19 +368,20 @@ class TieredBackend(HostTier):
             self._write_down(key, 0, hashes, self._stage(torch.tensor(slots, dtype=torch.int64)),
                              [("ssd", self._ssd)])
 
+    def _pending_writes(self, key: Key | None = None) -> list[Future]:
+        """The write-downs queued or running (of ``key`` only, given one)."""
+        with self._write_lock:
+            return [f for k, f in self._writes if key is None or k == key]
+
     def flush_writes(self) -> None:
         """Block until every write to the lower tiers has finished."""
-        with self._write_lock:
-            pending = [f for _, f in self._writes]
-        for f in pending:
+        for f in self._pending_writes():
             f.result()
         self.poll()
 
     def _wait_writes(self, key: Key) -> None:
         """Block until ``key``'s write-downs in flight have finished (a failed one is logged)."""
-        with self._write_lock:
-            pending = [f for k, f in self._writes if k == key]
-        for f in pending:
+        for f in self._pending_writes(key):
             try:
                 f.result()
             except Exception:
