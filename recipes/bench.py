@@ -14,6 +14,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
 from gr_plugin.bench import block, common, e2e, export, host_overhead, lightning_eval, serve, soak, step_host, tiers
+from gr_plugin.bench import train as train_bench
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ SUITES = {
                   "Lightning predict: no callback vs KVCacheCallback eager vs with CUDA graphs"),
     "serve": (serve.run, serve.COLUMNS, "Serving: Triton server latency and throughput with and without cache hits"),
     "export": (export.run, export.COLUMNS, "Export: eager cached step vs the AOTInductor package, hits and misses"),
+    "train": (train_bench.run, train_bench.COLUMNS, "GPU training: the Triton attention backward vs the reference"),
 }
 
 

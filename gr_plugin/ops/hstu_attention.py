@@ -4,10 +4,12 @@ the ops an exported package runs); else the pure-torch reference (``gr_plugin.op
 which also defines the semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
-the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. The
-Triton and C++ kernels are forward-only: when autograd needs the attention's gradient (training),
-``auto`` takes the reference, whose torch ops have a backward, and ``triton`` is an error rather than
-a silently cut gradient.
+the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. When
+autograd needs the attention's gradient (training), the full (jagged) form takes the Triton kernels
+with their backward (`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's would serve; the
+paged form's Triton kernel and the C++ kernels are forward-only, so there ``auto`` takes the
+reference, whose torch ops have a backward, and ``triton`` is an error rather than a silently cut
+gradient.
 """
 
 from __future__ import annotations
@@ -45,23 +47,35 @@ def _triton_ops():
     return tri
 
 
-def _use_triton(q: torch.Tensor, *more: torch.Tensor) -> bool:
-    """Whether the Triton kernel serves these inputs (``q`` and the other differentiable inputs)."""
+@functools.cache
+def _triton_training():
+    from gr_plugin.ops.triton import hstu_attention_bwd
+
+    return hstu_attention_bwd
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _use_triton(q: torch.Tensor, *more: torch.Tensor, backward: bool = False) -> bool:
+    """Whether the Triton kernel serves these inputs (``q`` and the other differentiable inputs);
+    ``backward``: the caller has a Triton backward for them (the full form), so a gradient may be needed."""
     mode = os.environ.get("GR_PLUGIN_ATTENTION", "auto")
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"GR_PLUGIN_ATTENTION must be auto, reference or triton, got {mode!r}")
     if mode == "reference":
         return False
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, *more))
+    needs_grad = _needs_grad(q, *more)
     tri = _triton_ops()
     if mode == "triton":
         if tri is None:
             raise ValueError("GR_PLUGIN_ATTENTION=triton but triton cannot be imported here")
-        if needs_grad:
-            raise ValueError("GR_PLUGIN_ATTENTION=triton, but q/k/v require grad and the Triton HSTU attention "
-                             "kernels are forward-only: unset it (auto) to train through the torch reference")
+        if needs_grad and not backward:
+            raise ValueError("GR_PLUGIN_ATTENTION=triton, but q/k/v require grad and the paged Triton HSTU "
+                             "attention kernel is forward-only: unset it (auto) to train through the torch reference")
         return True
-    return (not needs_grad and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
+    return ((backward or not needs_grad) and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
@@ -75,7 +89,7 @@ def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor):
     a batch through the reference, 8.9 ms here; its cached pass 17.8 and 7.0 ms."""
     if os.environ.get("GR_PLUGIN_ATTENTION", "auto") != "auto" or q.device.type != "cpu":
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, *more)):
+    if _needs_grad(q, *more):
         return None
     return _cpu_ops()
 
@@ -84,9 +98,10 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
                           max_seq_len: int) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]``; see the reference for the semantics."""
-    if _use_triton(q, k, v):
-        return _triton_ops().hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
-                                                   max_seq_len=max_seq_len)
+    if _use_triton(q, k, v, backward=True):
+        impl = _triton_training() if _needs_grad(q, k, v) else _triton_ops()
+        return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+                                          max_seq_len=max_seq_len)
     cpu = _cpu_kernels(q, k, v)
     if cpu is not None:
         # (int64 as the C++ ops require; the reference took any integer type: ``long()`` copies only then)

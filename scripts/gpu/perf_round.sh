@@ -4,7 +4,8 @@
 #   step_host on this host, the block table's 4096/3968 rows; the tiers and transfer tables (tiers), a profile of
 #   the layerwise host hit (tiers_profile), the AOTInductor/extension crash probe (aoti_probe); fp32: the fp32
 #   kernel's tiles at the head sizes not yet swept (16, 32) with the old tiles beside them, and `recipes.infer`'s
-#   default model and `hstu_large` in fp32 (fp32).
+#   default model and `hstu_large` in fp32 (fp32); the jagged attention's Triton backward: its GPU tests (bwdtests),
+#   its tile sweep and the training bench, Triton vs the reference (train).
 # Usage (device):  source scripts/gpu/setup_device.sh && bash scripts/gpu/perf_round.sh [parts...]
 parts=${*:-"kernels e2e profile step_host block"}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -31,6 +32,12 @@ for p in $parts; do
             python3 scripts/gpu/profile_infer.py gpu device=cuda train_if_missing=false model=$m 2>&1 \
               | grep -A30 '^== ' | tee -a "$out/fp32_infer.txt"
           done ;;
+    bwdtests) python3 -m pytest -q tests/ops/test_triton_attention_bwd.py \
+                tests/ops/test_triton_attention.py::test_gpu_training_gradients_equal_the_reference \
+                2>&1 | tail -15 | tee "$out/bwdtests.txt" ;;
+    train) python3 scripts/gpu/tune_attention_bwd.py 2>&1 | grep '^{' | tee "$out/bwd_tiles.jsonl"
+           python3 -m recipes.bench suite=train out_dir="$out" hydra/job_logging=disabled 2>&1 | tail -20 \
+             | tee "$out/train.txt" ;;
     aoti_probe) python3 scripts/gpu/aoti_probe.py /tmp/ap tools ext3 bt gdb ext_O0 ext_nosplit aoti aoti_O0 \
                   > "$out/aoti_probe.txt" 2>&1; grep -- "^---" "$out/aoti_probe.txt" ;;
   esac

@@ -548,8 +548,10 @@ def test_gpu_stream_k_and_tma_equal_the_split_kernel(tma, programs):
 
 
 def test_training_takes_the_differentiable_path(monkeypatch):
-    """The Triton kernels are forward-only: with q/k/v requiring grad the dispatcher uses the torch
-    reference under ``auto`` (gradients flow) and refuses a forced ``triton`` rather than cutting them."""
+    """With q/k/v requiring grad on CPU tensors the dispatcher uses the torch reference under ``auto``
+    (gradients flow); a forced ``triton`` trains the full form through its Triton backward
+    (tests/ops/test_triton_attention_bwd.py) and refuses the forward-only paged form rather than cutting
+    its gradient (the refusal: the bwd tests)."""
     from gr_plugin.ops import hstu_attention as dispatch
 
     jag, _ = build([9, 4], [2, 3], [0, 0], 8, 2, 16, torch.float32, "cpu")
@@ -557,20 +559,24 @@ def test_training_takes_the_differentiable_path(monkeypatch):
         jag[name] = jag[name].clone().requires_grad_()
     pos = [jag[k] for k in ("q", "k", "v", "seq_offsets", "num_candidates")]
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    assert dispatch._use_triton(*pos[:3], backward=True)
     with pytest.raises(ValueError, match="forward-only"):
-        dispatch.hstu_attention_jagged(*pos, alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"])
+        dispatch._use_triton(*pos[:3])
     with torch.no_grad():  # inference: the kernel serves it
         assert dispatch._use_triton(*pos[:3])
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
+    assert not dispatch._use_triton(*pos[:3], backward=True)  # (CPU tensors)
     out = dispatch.hstu_attention_jagged(*pos, alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    assert type(out.grad_fn).__name__ != "JaggedAttentionBackward"
     out.square().sum().backward()
     assert all(jag[n].grad is not None and jag[n].grad.abs().sum() > 0 for n in ("q", "k", "v"))
 
 
 @pytest.mark.gpu
 def test_gpu_training_gradients_equal_the_reference():
-    """On the GPU, a forward that needs gradients runs the reference (the kernels have no backward):
-    fp32 q/k/v gradients equal those of the reference on the CPU; in bf16 they flow (finite, non-zero)."""
+    """On the GPU, a full-form forward that needs gradients runs the Triton kernels and their backward
+    (`hstu_attention_bwd`): fp32 q/k/v gradients equal those of the reference on the CPU; in bf16 they
+    flow (finite, non-zero; their error rule: tests/ops/test_triton_attention_bwd.py)."""
     from gr_plugin.ops import hstu_attention as dispatch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -583,6 +589,8 @@ def test_gpu_training_gradients_equal_the_reference():
                                              jag["num_candidates"].to(device), alpha=ALPHA, n_norm=NORM,
                                              max_seq_len=jag["max_seq_len"])
         assert out.requires_grad
+        if device == "cuda":
+            assert type(out.grad_fn).__name__ == "JaggedAttentionBackward"
         (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
         grads[key] = {n: t.grad.float().cpu() for n, t in leaves.items()}
     for n in ("q", "k", "v"):

@@ -1,0 +1,203 @@
+"""Triton backward of the full (jagged) HSTU attention, and the autograd function training runs on CUDA.
+
+Owns the gradient of `gr_plugin.ops.triton.hstu_attention.hstu_attention_jagged` (the forward stays
+there); the semantics are the pure-torch reference's (`gr_plugin.ops.pytorch.hstu_attention`). Per user
+and head, with ``s = alpha q_i.k_j``, ``w = SiLU(s) / n_norm`` where the mask allows (i, j) and
+``out_i = sum_j w_ij v_j``:
+
+- ``dv_j = sum_i w_ij do_i``;
+- ``dp_ij = (do_i . v_j) SiLU'(s) alpha / n_norm`` (allowed pairs), ``SiLU'(s) = sig(s) (1 + s (1 - sig(s)))``;
+- ``dq_i = sum_j dp_ij k_j`` and ``dk_j = sum_i dp_ij q_i``.
+
+HSTU has no softmax, so nothing of the forward is kept but its inputs: no row statistics, no output.
+Two kernels, each recomputing the scores: one program per (key block, user, head) sums ``dk``/``dv``
+over the query blocks that see those keys; one per (query block, user, head) sums ``dq`` over the key
+blocks it sees. Each gradient row is written by one program (no atomics: the same bits every run).
+Products are accumulated in fp32; bf16/fp16 operands of the second products (``w``, ``dp``) are rounded
+to the inputs' dtype as the forward rounds its weights; fp32 inputs take IEEE dots. The mask
+(history causal, a candidate sees the history and itself) as a pair test: ``j <= i and (j < hist or
+i == j)``. Works under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE: tl.constexpr):
+    """``s = alpha q k^T`` of a query block and a key block (fp32), and the mask of pairs it may use."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * alpha
+    i = rows[:, None]
+    j = cols[None, :]
+    allowed = (j <= i) & ((j < hist) | (i == j)) & (i < seq_len)
+    return s, allowed
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
+              stride_t, stride_h, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IEEE: tl.constexpr):
+    """``dk``/``dv`` of keys ``n0..n0+BLOCK_N`` of one user and head: over query rows from the block's own
+    (a key is seen by rows at or after it) to the sequence's end, or to the block's end for a block of
+    candidates' keys only (each seen by its own row alone)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(seq_offsets + b)
+    seq_len = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    if n0 >= seq_len:
+        return
+    hist = seq_len - tl.load(num_candidates + b).to(tl.int32)
+    d = tl.arange(0, HEAD_DIM)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < seq_len
+    base = start.to(tl.int64) * stride_t + h * stride_h
+    kv_off = base + cols.to(tl.int64)[:, None] * stride_t + d[None, :]
+    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    m_end = tl.where(n0 < hist, seq_len, tl.minimum(seq_len, n0 + BLOCK_N))
+    for m0 in range((n0 // BLOCK_M) * BLOCK_M, m_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q_off = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :]
+        row_ok = rows < seq_len
+        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
+        sig = tl.sigmoid(s)
+        w = tl.where(allowed, s * sig, 0.0)
+        dv = dv + _dot(tl.trans(w.to(do.dtype)), do, IEEE)
+        dw = _dot(do, tl.trans(v), IEEE)
+        dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
+        dk = dk + _dot(tl.trans(dp.to(q.dtype)), q, IEEE)
+    tl.store(DK + kv_off, (dk * (alpha * inv_norm)).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + kv_off, (dv * inv_norm).to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm,
+            stride_t, stride_h, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            IEEE: tl.constexpr):
+    """``dq`` of query rows ``m0..m0+BLOCK_M`` of one user and head: over the history keys up to the
+    block's last row, then (a block holding candidates) the keys of its own rows, each seen by its row."""
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    start = tl.load(seq_offsets + b)
+    seq_len = (tl.load(seq_offsets + b + 1) - start).to(tl.int32)
+    if m0 >= seq_len:
+        return
+    hist = seq_len - tl.load(num_candidates + b).to(tl.int32)
+    d = tl.arange(0, HEAD_DIM)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_len
+    base = start.to(tl.int64) * stride_t + h * stride_h
+    q_off = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    last = tl.minimum(m0 + BLOCK_M, seq_len) - 1
+    hist_end = tl.cdiv(tl.minimum(hist, last + 1), BLOCK_N) * BLOCK_N  # key blocks holding seen history keys
+    # NOTE: the candidates' own keys lie at or after m0; the blocks between hist_end and m0 hold none a row sees
+    own_start = tl.maximum(hist_end, (m0 // BLOCK_N) * BLOCK_N)
+    own_end = tl.where(last >= hist, last + 1, own_start)
+    for n0 in range(0, hist_end + (own_end - own_start), BLOCK_N):
+        n = tl.where(n0 < hist_end, n0, own_start + (n0 - hist_end))
+        cols = n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_len
+        kv_off = base + cols.to(tl.int64)[:, None] * stride_t + d[None, :]
+        k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
+        sig = tl.sigmoid(s)
+        dw = _dot(do, tl.trans(v), IEEE)
+        dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
+        dq = dq + _dot(dp.to(k.dtype), k, IEEE)
+    tl.store(DQ + q_off, (dq * (alpha * inv_norm)).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size and element size.
+
+    NOTE: not tuned yet: fp32 (IEEE FMA dots, operands in registers) gets small tiles as the forward's
+    fp32 tiles do (`hstu_attention._blocks`), bf16/fp16 the 64-row tiles that hold two fp32 accumulators
+    of ``[64, head_dim]`` on 8 warps (32 rows at 256)."""
+    if dtype.itemsize == 4:
+        return (16, 32, 4, 1) if head_dim >= 128 else (32, 32, 4, 1)
+    if head_dim >= 256:
+        return 32, 32, 8, 1
+    return 64, 64, 8, 1
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[T, H, D]`` with unit stride on D and H*D on T (the kernels' one row stride)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   seq_offsets: torch.Tensor, num_candidates: torch.Tensor, *, alpha: float,
+                                   n_norm: float, max_seq_len: int,
+                                   tiles: tuple[int, int, int, int] | None = None,
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` ``[T, H, D]`` of the full-sequence attention given ``dout``; rows outside every
+    sequence get zeros. ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `blocks`."""
+    if q.shape != k.shape or v.shape != k.shape or dout.shape != q.shape or q.dim() != 3:
+        raise ValueError(f"dout, q, k, v must share a [T, H, D] shape, got {tuple(dout.shape)}, {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    q, k, v, dout = (_rows(t) for t in (q, k, v, dout.to(q.dtype)))
+    _, heads, dim = q.shape
+    bsz = seq_offsets.numel() - 1
+    dq, dk, dv = (torch.zeros_like(q) for _ in range(3))
+    if bsz == 0 or q.shape[0] == 0 or max_seq_len <= 0:
+        return dq, dk, dv
+    block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype)
+    ieee = q.dtype == torch.float32
+    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages)
+    args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), q.stride(0), q.stride(1))
+    _bwd_dkdv[(triton.cdiv(max_seq_len, block_n), bsz, heads)](q, k, v, dout, dk, dv, *args, **common)
+    _bwd_dq[(triton.cdiv(max_seq_len, block_m), bsz, heads)](q, k, v, dout, dq, *args, **common)
+    return dq, dk, dv
+
+
+class JaggedAttention(torch.autograd.Function):
+    """The full-sequence attention with a gradient: the Triton forward, the backward above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len):
+        from gr_plugin.ops.triton import hstu_attention as fwd
+
+        out = fwd.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+                                        max_seq_len=max_seq_len)
+        ctx.save_for_backward(q, k, v, seq_offsets, num_candidates)
+        ctx.sizes = (alpha, n_norm, max_seq_len)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, seq_offsets, num_candidates = ctx.saved_tensors
+        alpha, n_norm, max_seq_len = ctx.sizes
+        dq, dk, dv = hstu_attention_jagged_backward(dout, q, k, v, seq_offsets, num_candidates, alpha=alpha,
+                                                    n_norm=n_norm, max_seq_len=max_seq_len)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                          num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
+                          max_seq_len: int) -> torch.Tensor:
+    """`gr_plugin.ops.triton.hstu_attention.hstu_attention_jagged` with a backward (training)."""
+    return JaggedAttention.apply(q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len)

@@ -1,0 +1,84 @@
+"""Sweep the tiles of the jagged HSTU attention's Triton backward (`gr_plugin.ops.triton.hstu_attention_bwd`).
+
+    python3 scripts/gpu/tune_attention_bwd.py [--dims 128 256] [--dtypes bf16 fp32] [--configs M,N,W,S ...]
+
+Per head_dim and dtype: bs 8 users of a 2048-event history + 256 candidates, 4 heads; the backward alone (both
+kernels) per config, ms (median of CUDA-event-timed calls), next to the torch reference's forward + backward
+and the Triton forward; one JSON line per row. A config that fails to compile (shared memory) is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from gr_plugin.ops.pytorch import hstu_attention as ref
+from gr_plugin.ops.triton import hstu_attention as fwd
+from gr_plugin.ops.triton import hstu_attention_bwd as bwd
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CONFIGS = ["64,64,8,1", "64,64,4,1", "64,64,8,2", "32,64,4,1", "64,32,4,1", "32,32,4,1", "128,64,8,1", "64,128,8,1",
+           "32,128,8,1", "16,32,4,1", "32,32,8,1", "16,16,4,1"]
+
+
+def time_ms(fn, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--configs", nargs="+", default=CONFIGS)
+    ap.add_argument("--bs", type=int, default=8)
+    ap.add_argument("--history", type=int, default=2048)
+    args = ap.parse_args()
+    cands, heads = 256, 4
+    for dim in args.dims:
+        for name in args.dtypes:
+            dtype = DTYPES[name]
+            lens = [args.history + cands] * args.bs
+            offsets = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], device="cuda")
+            nc = torch.full((args.bs,), cands, device="cuda")
+            q, k, v, do = (torch.randn(sum(lens), heads, dim, device="cuda", dtype=dtype) for _ in range(4))
+            kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
+            row = {"dim": dim, "dtype": name, "bs": args.bs, "history": args.history,
+                   "default": bwd.blocks(dim, dtype)}
+            row["triton_forward_ms"] = round(time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw)), 4)
+
+            def reference():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                ref.hstu_attention_jagged(*leaves, offsets, nc, **kw).backward(do)
+
+            try:
+                row["reference_fwd_bwd_ms"] = round(time_ms(reference, 3), 3)
+            except torch.OutOfMemoryError:
+                row["reference_fwd_bwd_ms"] = "oom"
+            torch.cuda.empty_cache()
+            for cfg in args.configs:
+                tiles = tuple(int(x) for x in cfg.split(","))
+                try:
+                    ms = time_ms(lambda tiles=tiles: bwd.hstu_attention_jagged_backward(do, q, k, v, offsets, nc,
+                                                                                        tiles=tiles, **kw))
+                    row[cfg] = round(ms, 4)
+                except Exception as e:  # (a config past the shared memory: reported, the sweep goes on)
+                    row[cfg] = f"error: {type(e).__name__}: {str(e)[:80]}"
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

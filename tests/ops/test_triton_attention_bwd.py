@@ -1,0 +1,174 @@
+"""The Triton backward of the full (jagged) HSTU attention against the reference's autograd gradients.
+
+Without a GPU the kernels run in Triton's interpreter (fp32 / fp16 on CPU tensors) against the fp64
+reference. On a GPU (marker ``gpu``): bf16/fp16/fp32, head_dim 64/128/256; each gradient's error against
+a higher-precision reference must be at most 2x the error of the same-precision torch reference.
+"""
+
+import pytest
+import torch
+
+from gr_plugin.ops.pytorch import hstu_attention as ref
+from gr_plugin.ops.triton import hstu_attention_bwd as bwd
+
+from .test_triton_attention import ALPHA, NORM, build, interpreter_only
+
+CASES = [  # history lengths, candidates
+    ([37, 0, 90], [3, 2, 1]),  # an empty history (candidates only), a block of history and candidates mixed
+    ([64, 17], [1, 40]),  # block edges at the history's end; more candidates than history
+    ([0, 50, 5], [0, 1, 0]),  # an empty user, one candidate, no candidates
+]
+TILES = [None, (16, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)]
+
+
+def _inputs(hist, cand, heads, dim, dtype, device, seed=0):
+    jag, _ = build(hist, cand, [0] * len(hist), 8, heads, dim, torch.float32, device, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    dout = torch.randn(jag["q"].shape, generator=g).to(device)
+    return jag, dout
+
+
+def _reference_grads(jag, dout, dtype):
+    leaves = [jag[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v")]
+    out = ref.hstu_attention_jagged(*leaves, jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA, n_norm=NORM,
+                                    max_seq_len=jag["max_seq_len"])
+    out.backward(dout.to(dtype))
+    return [t.grad for t in leaves]
+
+
+def _kernel_grads(jag, dout, dtype, tiles=None):
+    q, k, v = (jag[n].to(dtype) for n in ("q", "k", "v"))
+    return bwd.hstu_attention_jagged_backward(dout.to(dtype), q, k, v, jag["seq_offsets"], jag["num_candidates"],
+                                              alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"], tiles=tiles)
+
+
+@interpreter_only
+@pytest.mark.parametrize(("hist", "cand"), CASES)
+@pytest.mark.parametrize("tiles", TILES)
+def test_interpreter_gradients_match_the_reference(hist, cand, tiles):
+    jag, dout = _inputs(hist, cand, 2, 16, torch.float32, "cpu")
+    exact = _reference_grads(jag, dout, torch.float64)
+    got = _kernel_grads(jag, dout, torch.float32, tiles)
+    for name, a, b in zip("qkv", got, exact):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+
+
+@interpreter_only
+def test_interpreter_fp16_gradients_within_twice_the_torch_reference():
+    jag, dout = _inputs([37, 0, 90], [3, 2, 1], 2, 32, torch.float16, "cpu")
+    exact = _reference_grads(jag, dout, torch.float64)
+    low = _reference_grads(jag, dout, torch.float16)
+    got = _kernel_grads(jag, dout, torch.float16)
+    for name, a, t, e in zip("qkv", got, low, exact):
+        err, err_torch = (a.double() - e).abs().max().item(), (t.double() - e).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
+
+
+@interpreter_only
+def test_rows_outside_every_sequence_get_zero_gradients_and_strided_inputs_are_read():
+    """q, k, v as views of one projection ``[T, 3, H, D]`` (the layer's split), and two rows past the last
+    sequence (a bucket's padding): the sequences' gradients equal the reference's, the padding rows' are 0."""
+    jag, dout = _inputs([20, 9], [4, 2], 2, 16, torch.float32, "cpu")
+    t = jag["q"].shape[0]
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t + 2, 3, 2, 16, generator=g)
+    qkv[:t] = torch.stack([jag["q"], jag["k"], jag["v"]], 1)
+    q, k, v = qkv.unbind(1)
+    assert not q.is_contiguous()
+    d_pad = torch.cat([dout, torch.randn(2, 2, 16, generator=g)])
+    got = bwd.hstu_attention_jagged_backward(d_pad, q, k, v, jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
+                                             n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    exact = _reference_grads(jag, dout, torch.float64)
+    for a, b in zip(got, exact):
+        torch.testing.assert_close(a[:t].double(), b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(a[t:], torch.zeros_like(a[t:]))
+
+
+@interpreter_only
+def test_the_same_bits_every_run():
+    jag, dout = _inputs([64, 17], [1, 40], 2, 16, torch.float32, "cpu")
+    first, again = _kernel_grads(jag, dout, torch.float32), _kernel_grads(jag, dout, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_bad_shapes_are_refused():
+    jag, dout = _inputs([5], [1], 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"got \(6, 2, 16\), \(6, 2, 16\), \(5, 2, 16\)"):
+        bwd.hstu_attention_jagged_backward(dout, jag["q"], jag["k"][:5], jag["v"], jag["seq_offsets"],
+                                           jag["num_candidates"], alpha=ALPHA, n_norm=NORM, max_seq_len=6)
+
+
+@interpreter_only
+def test_dispatch_trains_through_the_triton_backward(monkeypatch):
+    """``GR_PLUGIN_ATTENTION=triton`` (the interpreter here; ``auto`` on CUDA) with q/k/v requiring grad:
+    the full form runs the autograd function whose backward is the kernels', gradients equal the
+    reference's; the paged form, forward-only, still refuses."""
+    from gr_plugin.ops import hstu_attention as dispatch
+
+    jag, paged = build([30, 7], [3, 2], [20, 0], 8, 2, 16, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(jag["q"].shape, generator=g)
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "triton")
+    leaves = [jag[n].clone().requires_grad_() for n in ("q", "k", "v")]
+    out = dispatch.hstu_attention_jagged(*leaves, jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
+                                         n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    assert type(out.grad_fn).__name__ == "JaggedAttentionBackward"
+    out.backward(dout)
+    exact = _reference_grads(jag, dout, torch.float64)
+    for leaf, e in zip(leaves, exact):
+        torch.testing.assert_close(leaf.grad.double(), e, rtol=1e-5, atol=1e-6)
+    p = dict(paged)
+    p["q"] = p["q"].clone().requires_grad_()
+    pos = [p.pop(n) for n in ("q", "k", "v", "kv_layer", "kv_indices", "kv_indptr", "history_lengths", "q_offsets",
+                              "new_lengths")]
+    with pytest.raises(ValueError, match="forward-only"):
+        dispatch.paged_hstu_attention(*pos, alpha=ALPHA, n_norm=NORM, **p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, seed):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.randint(0, 700, (4,), generator=g).tolist()
+    cand = torch.randint(1, 70, (4,), generator=g).tolist()
+    jag, dout = _inputs(hist, cand, 4, dim, torch.float32, "cuda", seed)
+    oracle = torch.float64 if dtype == torch.float32 else torch.float32
+    exact = _reference_grads(jag, dout, oracle)
+    low = _reference_grads(jag, dout, dtype)
+    got = _kernel_grads(jag, dout, dtype)
+    for name, a, t, e in zip("qkv", got, low, exact):
+        assert a.dtype == dtype and not a.isnan().any()
+        err, err_torch = (a.to(oracle) - e).abs().max().item(), (t.to(oracle) - e).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
+    again = _kernel_grads(jag, dout, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+def test_gpu_layer_stack_training_step_equals_the_reference(monkeypatch):
+    """A training step of a 2-layer stack (fp32, dropout off): the parameters' gradients with the Triton
+    attention (``auto``) equal those with the reference's."""
+    from gr_plugin.bench.block import _Layout, _offsets
+    from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    cfg = HSTUConfig(embedding_dim=64, num_layers=2, num_heads=2, head_dim=32, n_norm=256.0, dropout=0.0)
+    stack = [HSTULayer(cfg, device=torch.device("cuda")).train() for _ in range(2)]
+    lens, cands = [200, 37, 90], [20, 1, 9]
+    layout = _Layout(_offsets(lens), torch.tensor(cands, device="cuda"), max(lens))
+    x = torch.randn(sum(lens), 64, device="cuda")
+    grads = {}
+    for mode in ("reference", "auto"):
+        monkeypatch.setenv("GR_PLUGIN_ATTENTION", mode)
+        for layer in stack:
+            layer.zero_grad(set_to_none=True)
+        full_stack(stack, x, layout).square().mean().backward()
+        grads[mode] = [p.grad.clone() for layer in stack for p in layer.parameters()]
+    assert len(grads["auto"]) > 0
+    for a, b in zip(grads["auto"], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
