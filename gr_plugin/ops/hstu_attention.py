@@ -5,11 +5,11 @@ which also defines the semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
 the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. When
-autograd needs the attention's gradient (training), the full (jagged) form takes the Triton kernels
-with their backward (`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's would serve; the
-paged form's Triton kernel and the C++ kernels are forward-only, so there ``auto`` takes the
-reference, whose torch ops have a backward, and ``triton`` is an error rather than a silently cut
-gradient.
+autograd needs the attention's gradient (training), the full (jagged) form in bf16/fp16 takes the
+Triton kernels with their backward (`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's
+would serve (fp32 training keeps the reference: measured faster there). The paged form's Triton
+kernel and the C++ kernels are forward-only: there ``auto`` takes the reference, whose torch ops
+have a backward, and ``triton`` is an error rather than a silently cut gradient.
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def _use_triton(q: torch.Tensor, *more: torch.Tensor, backward: bool = False) ->
             raise ValueError("GR_PLUGIN_ATTENTION=triton, but q/k/v require grad and the paged Triton HSTU "
                              "attention kernel is forward-only: unset it (auto) to train through the torch reference")
         return True
-    return ((backward or not needs_grad) and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
+    # NOTE: fp32 training keeps the reference: the backward's IEEE FMA dots measured slower than the
+    # reference's forward and backward on the H200 (`hstu_attention_bwd.blocks`)
+    trains = backward and q.dtype.itemsize == 2
+    return ((trains or not needs_grad) and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 

@@ -101,7 +101,7 @@ def test_bad_shapes_are_refused():
 
 @interpreter_only
 def test_dispatch_trains_through_the_triton_backward(monkeypatch):
-    """``GR_PLUGIN_ATTENTION=triton`` (the interpreter here; ``auto`` on CUDA) with q/k/v requiring grad:
+    """``GR_PLUGIN_ATTENTION=triton`` (the interpreter here; ``auto`` on CUDA in bf16/fp16) with q/k/v requiring grad:
     the full form runs the autograd function whose backward is the kernels', gradients equal the
     reference's; the paged form, forward-only, still refuses."""
     from gr_plugin.ops import hstu_attention as dispatch
@@ -151,7 +151,7 @@ def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, seed):
 @pytest.mark.gpu
 def test_gpu_layer_stack_training_step_equals_the_reference(monkeypatch):
     """A training step of a 2-layer stack (fp32, dropout off): the parameters' gradients with the Triton
-    attention (``auto``) equal those with the reference's."""
+    attention and its backward (``triton``; ``auto`` takes it in bf16/fp16) equal those with the reference's."""
     from gr_plugin.bench.block import _Layout, _offsets
     from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack
 
@@ -163,12 +163,12 @@ def test_gpu_layer_stack_training_step_equals_the_reference(monkeypatch):
     layout = _Layout(_offsets(lens), torch.tensor(cands, device="cuda"), max(lens))
     x = torch.randn(sum(lens), 64, device="cuda")
     grads = {}
-    for mode in ("reference", "auto"):
+    for mode in ("reference", "triton"):
         monkeypatch.setenv("GR_PLUGIN_ATTENTION", mode)
         for layer in stack:
             layer.zero_grad(set_to_none=True)
         full_stack(stack, x, layout).square().mean().backward()
         grads[mode] = [p.grad.clone() for layer in stack for p in layer.parameters()]
-    assert len(grads["auto"]) > 0
-    for a, b in zip(grads["auto"], grads["reference"]):
+    assert len(grads["triton"]) > 0
+    for a, b in zip(grads["triton"], grads["reference"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -134,14 +134,18 @@ def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm,
 def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size and element size.
 
-    NOTE: not tuned yet: fp32 (IEEE FMA dots, operands in registers) gets small tiles as the forward's
-    fp32 tiles do (`hstu_attention._blocks`), bf16/fp16 the 64-row tiles that hold two fp32 accumulators
-    of ``[64, head_dim]`` on 8 warps (32 rows at 256)."""
+    NOTE: measured on the H200 (`scripts/gpu/tune_attention_bwd.py`, bs 8, 2048-event histories + 256
+    candidates, 4 heads, the backward alone; docs/BENCHMARKS.md, "Training"): bf16 at head_dim 128, 128x64
+    tiles on 8 warps 0.863 ms (64x64 on 4 warps 0.948, on 8 warps 1.37); at 256 the same tiles 1.42 ms
+    (64x32 on 4 warps 2.17); at 64, 64x64 on 4 warps 0.550 (128x64 0.657). fp32 (IEEE FMA dots) at 128:
+    32x32 tiles 23.7 ms, 16x32 27.0, 32x64 403 (spilled) -- slower than the reference's forward and
+    backward (13.8 ms), so ``auto`` trains fp32 through the reference (`gr_plugin.ops.hstu_attention`).
+    Not measured: head_dim 16/32, fp16 (bf16's tiles)."""
     if dtype.itemsize == 4:
-        return (16, 32, 4, 1) if head_dim >= 128 else (32, 32, 4, 1)
-    if head_dim >= 256:
-        return 32, 32, 8, 1
-    return 64, 64, 8, 1
+        return 32, 32, 4, 1
+    if head_dim >= 128:
+        return 128, 64, 8, 1
+    return 64, 64, 4, 1
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
