@@ -91,11 +91,11 @@ def test_interpreter_matches_reference(which, hist, cand, cached, dtype, page_si
 
 
 @pytest.mark.parametrize("which", ["jagged", "paged"])
-@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (64, 64), (256, 16), (256, 64)])
+@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (64, 64), (256, 16), (256, 64), (16, 16), (16, 64)])
 def test_interpreter_fp32_tiles_match_reference(which, dim, page_size, monkeypatch):
-    """fp32's own tiles (`_blocks`: 32x64 from head_dim 64, 16x32 at 256), which a launch naming none
-    takes: a page smaller than a key block (16, gathered row by row) and larger (64); equal to the
-    reference."""
+    """fp32's own tiles (`_blocks`: 32x64 from head_dim 64, 16x32 at 256, 32x32 for the paged form at 16),
+    which a launch naming none takes: a page smaller than a key block (16, gathered row by row) and
+    larger (64); equal to the reference."""
     if torch.cuda.is_available():
         pytest.skip("covered by the GPU test")
     jag, paged = build([37, 0, 90], [3, 2, 1], [20, 0, 64], page_size, 2, dim, torch.float32, "cpu")
@@ -112,7 +112,8 @@ def test_interpreter_fp32_tiles_match_reference(which, dim, page_size, monkeypat
     monkeypatch.setattr(tri, "_hstu_fwd", Spy())
     got = run(tri, which, args)
     assert took == [tri._blocks(dim, torch.float32, which == "paged", torch.device("cpu"))]
-    assert took[0] == ((32, 64, 4, 1) if dim == 64 else (16, 32, 4, 1))
+    assert took[0] == {64: (32, 64, 4, 1), 256: (16, 32, 4, 1), 16: (32, 32, 4, 1) if which == "paged"
+                       else (64, 64, 4, 3)}[dim]
     torch.testing.assert_close(got, run(ref, which, args), rtol=0, atol=1e-5)
 
 
@@ -485,7 +486,7 @@ def test_whole_table_form_equals_the_layer_view(layer, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["jagged", "paged"])
-@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (128, 64)])
+@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (128, 64), (16, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("fast_silu", [False, True])
