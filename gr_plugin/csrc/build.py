@@ -10,17 +10,13 @@ defines the ``gr_kv`` op schemas and their CPU kernels. ``library_path()`` is th
 ``python -m gr_plugin.csrc.build`` builds it and prints the path (``scripts/setup.sh`` calls it);
 ``GR_PLUGIN_BUILD_DIR`` overrides the build directory (default ``~/.cache/gr_plugin/ops``).
 
-Processes that build or load the same directory at once take turns on an ``flock`` of
-``<build directory>/build.flock``, which the kernel drops when its holder dies. Under it, a ``lock`` file
-left in the directory (``cpp_extension``'s own build lock, a plain file that a killed build leaves
-behind and that every later load would wait on forever) can only be stale, and is removed with a warning.
+Processes that build or load the same directory take turns (`gr_plugin.csrc.build_lock`: an flock,
+under which a build lock left by a killed build is removed instead of waited on forever).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
@@ -31,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gr_plugin.csrc.build_lock import build_turn
 from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
@@ -52,21 +49,6 @@ def build_directory() -> Path:
     return Path(root) / f"{tag}-{digest}"
 
 
-@contextlib.contextmanager
-def _build_turn(directory: Path):
-    """Hold the directory's build flock; under it, drop a ``cpp_extension`` lock file no live build holds."""
-    with open(directory / "build.flock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # NOTE: blocks while another process builds or loads this directory
-        try:
-            stale = directory / "lock"  # cpp_extension's FileBaton; its holder died (we hold the flock)
-            if stale.exists():
-                logger.warning("removing %s, a build lock left by a build that did not finish", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @functools.cache
 def load_library(verbose: bool = False) -> str:
     """Build (if its sources changed) and load the library; returns its path. Once per process."""
@@ -81,7 +63,7 @@ def load_library(verbose: bool = False) -> str:
     # torch.ops.load_library; its static TORCH_LIBRARY blocks register the ops. The same file serves
     # a C++ program, which needs no Python to load it.
     try:
-        with _build_turn(directory):
+        with build_turn(directory):
             cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                extra_ldflags=[*LDFLAGS, *libstdcxx_ldflags()], build_directory=str(directory),
                                is_python_module=False, verbose=verbose)

@@ -77,7 +77,7 @@ def _use_triton(q: torch.Tensor, *more: torch.Tensor, backward: bool = False) ->
         return True
     # NOTE: fp32 training keeps the reference: the backward's IEEE FMA dots measured slower than the
     # reference's forward and backward on the H200 (`hstu_attention_bwd.blocks`)
-    trains = backward and q.dtype.itemsize == 2
+    trains = backward and q.dtype.itemsize == 2 and all(t.dtype == q.dtype for t in more)
     return ((trains or not needs_grad) and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 

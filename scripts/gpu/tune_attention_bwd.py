@@ -57,7 +57,7 @@ def main() -> None:
             q, k, v, do = (torch.randn(sum(lens), heads, dim, device="cuda", dtype=dtype) for _ in range(4))
             kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
             row = {"dim": dim, "dtype": name, "bs": args.bs, "history": args.history,
-                   "default": bwd.blocks(dim, dtype)}
+                   "default": bwd.blocks(dim, dtype, q.device)}
             row["triton_forward_ms"] = round(time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw)), 4)
 
             def reference():

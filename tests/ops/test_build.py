@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -55,11 +57,34 @@ def test_a_live_build_is_waited_for_and_its_lock_left_alone(build_copy):
     with open(build_copy / "build.flock", "a") as held:  # another process building: it holds the flock
         fcntl.flock(held, fcntl.LOCK_EX)
         proc = _load(build_copy)
-        time.sleep(3)
-        assert proc.poll() is None, proc.communicate()
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+        waiting = _first_line(proc, lines, "waiting for")  # the loader reached the flock and waits on it
+        assert str(build_copy / "build.flock") in waiting
+        time.sleep(0.5)
+        assert proc.poll() is None
         assert (build_copy / "lock").exists()  # a live build's lock is not taken from it
         (build_copy / "lock").unlink()  # the build finishes: its lock file goes, then the flock
         fcntl.flock(held, fcntl.LOCK_UN)
-    out, err = _finish(proc)
-    assert out.strip() == str(build_copy / "gr_kv_ops.so")
-    assert "removing" not in err
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.stdout.read().strip() == str(build_copy / "gr_kv_ops.so")
+    time.sleep(0.2)  # (the reading thread's last lines)
+    assert not any("removing" in line for line in list(lines.queue))
+
+
+def _first_line(proc: subprocess.Popen, lines: queue.Queue, text: str, timeout: float = 60.0) -> str:
+    """The first line holding ``text`` of the child's stderr, which a thread puts into ``lines``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if text in line:
+            return line
+    proc.kill()
+    raise AssertionError(f"no {text!r} line from the loader in {timeout} s")

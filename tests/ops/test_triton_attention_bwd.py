@@ -92,6 +92,50 @@ def test_the_same_bits_every_run():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@interpreter_only
+def test_only_the_gradients_asked_for_are_computed(monkeypatch):
+    """Through the autograd function with only q requiring grad: dq equals the reference's, and the dk/dv
+    kernel is not launched; a graph of the backward (a second-order gradient) raises instead of leaving
+    out the gradients' dependence on q, k, v."""
+    jag, dout = _inputs([30, 7], [3, 2], 2, 16, torch.float32, "cpu")
+    launched = []
+    for name in ("_bwd_dkdv", "_bwd_dq"):
+        real = getattr(bwd, name)
+
+        class Spy:
+            def __getitem__(self, grid, _real=real, _name=name):
+                launched.append(_name)
+                return _real[grid]
+
+        monkeypatch.setattr(bwd, name, Spy())
+    q = jag["q"].clone().requires_grad_()
+    out = bwd.hstu_attention_jagged(q, jag["k"], jag["v"], jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
+                                    n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    out.backward(dout)
+    assert launched == ["_bwd_dq"]
+    torch.testing.assert_close(q.grad.double(), _reference_grads(jag, dout, torch.float64)[0], rtol=1e-5, atol=1e-6)
+    q2 = jag["q"].clone().requires_grad_()
+    out = bwd.hstu_attention_jagged(q2, jag["k"], jag["v"], jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
+                                    n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        torch.autograd.grad(out, q2, dout, create_graph=True)
+
+
+def test_tiles_fit_the_device(monkeypatch):
+    """The 128x64 tiles (98-213 KB of shared memory at head_dim 128-256) only where a block may hold about
+    200 KB (Hopper: 227 KB); an A100 (163 KB) or an sm86/89 card (99 KB) gets the smaller tiles."""
+    from gr_plugin.ops.triton import hstu_attention as fwd
+
+    dev = torch.device("cuda", 0)
+    for smem, want128, want256 in ((232448, (128, 64, 8, 1), (128, 64, 8, 1)), (166912, (64, 64, 4, 1), (32, 32, 4, 1)),
+                                   (101376, (64, 64, 4, 1), (32, 32, 4, 1))):
+        monkeypatch.setattr(fwd, "_shared_memory", lambda device, _s=smem: _s)
+        assert bwd.blocks(128, torch.bfloat16, dev) == want128
+        assert bwd.blocks(256, torch.float16, dev) == want256
+        assert bwd.blocks(64, torch.bfloat16, dev) == (64, 64, 4, 1)
+        assert bwd.blocks(128, torch.float32, dev) == (32, 32, 4, 1)
+
+
 def test_bad_shapes_are_refused():
     jag, dout = _inputs([5], [1], 2, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"got \(6, 2, 16\), \(6, 2, 16\), \(5, 2, 16\)"):
@@ -146,6 +190,32 @@ def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, seed):
         assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
     again = _kernel_grads(jag, dout, dtype)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_gpu_training_path_error_within_twice_the_torch_reference(dtype, dim):
+    """What ``auto`` trains through (the dispatcher: the Triton forward, its fast SiLU included, and the
+    autograd function's backward) in bf16/fp16: each gradient's error against the fp32 reference at most
+    2x the same-precision torch reference's."""
+    from gr_plugin.ops import hstu_attention as dispatch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(dim)
+    hist = torch.randint(0, 1200, (4,), generator=g).tolist()
+    cand = torch.randint(1, 70, (4,), generator=g).tolist()
+    jag, dout = _inputs(hist, cand, 4, dim, torch.float32, "cuda", dim)
+    exact = _reference_grads(jag, dout, torch.float32)
+    low = _reference_grads(jag, dout, dtype)
+    leaves = [jag[n].to(dtype).requires_grad_() for n in ("q", "k", "v")]
+    out = dispatch.hstu_attention_jagged(*leaves, jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
+                                         n_norm=NORM, max_seq_len=jag["max_seq_len"])
+    assert type(out.grad_fn).__name__ == "JaggedAttentionBackward"
+    out.backward(dout.to(dtype))
+    for name, leaf, t, e in zip("qkv", leaves, low, exact):
+        err, err_torch = (leaf.grad.float() - e).abs().max().item(), (t.float() - e).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
 
 
 @pytest.mark.gpu

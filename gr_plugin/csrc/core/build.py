@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gr_plugin.csrc.build_lock import build_turn
 from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
@@ -91,15 +92,16 @@ def load(verbose: bool = False) -> str:
         build_dir = build_directory(lib is not None)
         build_dir.mkdir(parents=True, exist_ok=True)
         _ensure_ninja()
-        path = cpp_extension.load(
-            name=NAME if lib else f"{NAME}_noxxhash",
-            sources=[str(SOURCE_DIR / s) for s in SOURCES],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with build_turn(build_dir):  # (a build killed inside load() no longer hangs later ones)
+            path = cpp_extension.load(
+                name=NAME if lib else f"{NAME}_noxxhash",
+                sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
         # NOTE: load() returns the library path when is_python_module=False and has loaded it
         # with torch.ops.load_library, which registers torch.classes.gr_kv_core.
         _loaded = str(path)

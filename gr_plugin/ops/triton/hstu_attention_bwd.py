@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.triton import hstu_attention as fwd
+
 
 @triton.jit
 def _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE: tl.constexpr):
@@ -48,9 +50,9 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
-              stride_t, stride_h, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              IEEE: tl.constexpr):
+def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm, stride_qt, stride_qh, stride_kt,
+              stride_kh, stride_vt, stride_vh, stride_dt, stride_dh, stride_gt, stride_gh, HEAD_DIM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """``dk``/``dv`` of keys ``n0..n0+BLOCK_N`` of one user and head: over query rows from the block's own
     (a key is seen by rows at or after it) to the sequence's end, or to the block's end for a block of
     candidates' keys only (each seen by its own row alone)."""
@@ -65,19 +67,18 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
     d = tl.arange(0, HEAD_DIM)
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < seq_len
-    base = start.to(tl.int64) * stride_t + h * stride_h
-    kv_off = base + cols.to(tl.int64)[:, None] * stride_t + d[None, :]
-    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    c64 = (start + cols).to(tl.int64)[:, None]
+    k = tl.load(K + c64 * stride_kt + h * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + c64 * stride_vt + h * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     m_end = tl.where(n0 < hist, seq_len, tl.minimum(seq_len, n0 + BLOCK_N))
     for m0 in range((n0 // BLOCK_M) * BLOCK_M, m_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        q_off = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :]
+        r64 = (start + rows).to(tl.int64)[:, None]
         row_ok = rows < seq_len
-        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+        q = tl.load(Q + r64 * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + r64 * stride_dt + h * stride_dh + d[None, :], mask=row_ok[:, None], other=0.0)
         s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
         sig = tl.sigmoid(s)
         w = tl.where(allowed, s * sig, 0.0)
@@ -85,14 +86,15 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
         dw = _dot(do, tl.trans(v), IEEE)
         dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
         dk = dk + _dot(tl.trans(dp.to(q.dtype)), q, IEEE)
-    tl.store(DK + kv_off, (dk * (alpha * inv_norm)).to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + kv_off, (dv * inv_norm).to(DV.dtype.element_ty), mask=col_ok[:, None])
+    g_off = c64 * stride_gt + h * stride_gh + d[None, :]
+    tl.store(DK + g_off, (dk * (alpha * inv_norm)).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + g_off, (dv * inv_norm).to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm,
-            stride_t, stride_h, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            IEEE: tl.constexpr):
+def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_dt, stride_dh, stride_gt, stride_gh, HEAD_DIM: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """``dq`` of query rows ``m0..m0+BLOCK_M`` of one user and head: over the history keys up to the
     block's last row, then (a block holding candidates) the keys of its own rows, each seen by its row."""
     m0 = tl.program_id(0) * BLOCK_M
@@ -106,10 +108,9 @@ def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm,
     d = tl.arange(0, HEAD_DIM)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < seq_len
-    base = start.to(tl.int64) * stride_t + h * stride_h
-    q_off = base + rows.to(tl.int64)[:, None] * stride_t + d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
+    r64 = (start + rows).to(tl.int64)[:, None]
+    q = tl.load(Q + r64 * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + r64 * stride_dt + h * stride_dh + d[None, :], mask=row_ok[:, None], other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     last = tl.minimum(m0 + BLOCK_M, seq_len) - 1
     hist_end = tl.cdiv(tl.minimum(hist, last + 1), BLOCK_N) * BLOCK_N  # key blocks holding seen history keys
@@ -120,71 +121,87 @@ def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm,
         n = tl.where(n0 < hist_end, n0, own_start + (n0 - hist_end))
         cols = n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_len
-        kv_off = base + cols.to(tl.int64)[:, None] * stride_t + d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+        c64 = (start + cols).to(tl.int64)[:, None]
+        k = tl.load(K + c64 * stride_kt + h * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + c64 * stride_vt + h * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0)
         s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
         sig = tl.sigmoid(s)
         dw = _dot(do, tl.trans(v), IEEE)
         dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
         dq = dq + _dot(dp.to(k.dtype), k, IEEE)
-    tl.store(DQ + q_off, (dq * (alpha * inv_norm)).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(DQ + r64 * stride_gt + h * stride_gh + d[None, :], (dq * (alpha * inv_norm)).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
-def blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size and element size.
+def blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size, element size and
+    device.
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention_bwd.py`, bs 8, 2048-event histories + 256
     candidates, 4 heads, the backward alone; docs/BENCHMARKS.md, "Training"): bf16 at head_dim 128, 128x64
     tiles on 8 warps 0.863 ms (64x64 on 4 warps 0.948, on 8 warps 1.37); at 256 the same tiles 1.42 ms
-    (64x32 on 4 warps 2.17); at 64, 64x64 on 4 warps 0.550 (128x64 0.657). fp32 (IEEE FMA dots) at 128:
-    32x32 tiles 23.7 ms, 16x32 27.0, 32x64 403 (spilled) -- slower than the reference's forward and
-    backward (13.8 ms), so ``auto`` trains fp32 through the reference (`gr_plugin.ops.hstu_attention`).
-    Not measured: head_dim 16/32, fp16 (bf16's tiles)."""
+    (64x32 on 4 warps 2.17); at 64, 64x64 on 4 warps 0.550 (128x64 0.657). The 128x64 tiles take 98-213 KB
+    of shared memory (head_dim 128-256), so only a device with about 200 KB a block (Hopper) gets them;
+    others take 64x64 at 128 (57-73 KB) and 32x32 at 256 (57-67 KB), not measured for speed. fp32 (IEEE
+    FMA dots) at 128: 32x32 tiles 23.7 ms, 16x32 27.0, 32x64 403 (spilled) -- slower than the reference's
+    forward and backward (13.8 ms), so ``auto`` trains fp32 through the reference
+    (`gr_plugin.ops.hstu_attention`). Not measured: head_dim 16/32, fp16 (bf16's tiles)."""
     if dtype.itemsize == 4:
         return 32, 32, 4, 1
-    if head_dim >= 128:
+    if head_dim >= 128 and fwd._large_tiles_fit(device):
         return 128, 64, 8, 1
+    if head_dim >= 256:
+        return 32, 32, 4, 1
     return 64, 64, 4, 1
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[T, H, D]`` with unit stride on D and H*D on T (the kernels' one row stride)."""
-    return t if t.is_contiguous() else t.contiguous()
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[T, H, D]`` with unit stride on D (the kernels take any T and H strides: a layer's q, k, v
+    are views of one projection)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    seq_offsets: torch.Tensor, num_candidates: torch.Tensor, *, alpha: float,
                                    n_norm: float, max_seq_len: int,
                                    tiles: tuple[int, int, int, int] | None = None,
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                   needs: tuple[bool, bool, bool] = (True, True, True),
+                                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dq, dk, dv)`` ``[T, H, D]`` of the full-sequence attention given ``dout``; rows outside every
-    sequence get zeros. ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `blocks`."""
+    sequence get zeros. ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `blocks`. ``needs``:
+    which of the three to compute (None for the others; dk and dv come from one kernel)."""
     if q.shape != k.shape or v.shape != k.shape or dout.shape != q.shape or q.dim() != 3:
         raise ValueError(f"dout, q, k, v must share a [T, H, D] shape, got {tuple(dout.shape)}, {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    q, k, v, dout = (_rows(t) for t in (q, k, v, dout.to(q.dtype)))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    q, k, v, dout = (_unit_stride(t) for t in (q, k, v, dout.to(q.dtype)))
     _, heads, dim = q.shape
     bsz = seq_offsets.numel() - 1
-    dq, dk, dv = (torch.zeros_like(q) for _ in range(3))
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format) if needs[0] else None
+    dk, dv = ((torch.zeros_like(q, memory_format=torch.contiguous_format) for _ in range(2))
+              if needs[1] or needs[2] else (None, None))
     if bsz == 0 or q.shape[0] == 0 or max_seq_len <= 0:
-        return dq, dk, dv
-    block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype)
-    ieee = q.dtype == torch.float32
-    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=stages)
-    args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), q.stride(0), q.stride(1))
-    _bwd_dkdv[(triton.cdiv(max_seq_len, block_n), bsz, heads)](q, k, v, dout, dk, dv, *args, **common)
-    _bwd_dq[(triton.cdiv(max_seq_len, block_m), bsz, heads)](q, k, v, dout, dq, *args, **common)
-    return dq, dk, dv
+        return dq, (dk if needs[1] else None), (dv if needs[2] else None)
+    block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype, q.device)
+    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=warps,
+                  num_stages=stages)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2], heads * dim, dim)
+    args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), *strides)
+    if dk is not None:
+        _bwd_dkdv[(triton.cdiv(max_seq_len, block_n), bsz, heads)](q, k, v, dout, dk, dv, *args, **common)
+    if dq is not None:
+        _bwd_dq[(triton.cdiv(max_seq_len, block_m), bsz, heads)](q, k, v, dout, dq, *args, **common)
+    return dq, (dk if needs[1] else None), (dv if needs[2] else None)
 
 
 class JaggedAttention(torch.autograd.Function):
-    """The full-sequence attention with a gradient: the Triton forward, the backward above."""
+    """The full-sequence attention with a gradient: the Triton forward, the backward above. The backward
+    is not differentiable itself: asked for a graph of it (``create_graph=True``, e.g. a gradient penalty)
+    it raises rather than return gradients that silently lack their dependence on q, k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len):
-        from gr_plugin.ops.triton import hstu_attention as fwd
-
         out = fwd.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                         max_seq_len=max_seq_len)
         ctx.save_for_backward(q, k, v, seq_offsets, num_candidates)
@@ -193,10 +210,15 @@ class JaggedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if torch.is_grad_enabled():  # (autograd enables grad mode in a backward only for create_graph=True)
+            raise RuntimeError("the Triton HSTU attention's backward is not differentiable (create_graph=True, "
+                               "a double backward): run the attention through the torch reference "
+                               "(GR_PLUGIN_ATTENTION=reference) for higher-order gradients")
         q, k, v, seq_offsets, num_candidates = ctx.saved_tensors
         alpha, n_norm, max_seq_len = ctx.sizes
         dq, dk, dv = hstu_attention_jagged_backward(dout, q, k, v, seq_offsets, num_candidates, alpha=alpha,
-                                                    n_norm=n_norm, max_seq_len=max_seq_len)
+                                                    n_norm=n_norm, max_seq_len=max_seq_len,
+                                                    needs=tuple(ctx.needs_input_grad[:3]))
         return dq, dk, dv, None, None, None, None, None
 
 
