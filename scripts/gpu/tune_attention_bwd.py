@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from gr_plugin.bench.block import _time_ms as time_ms
 from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as fwd
 from gr_plugin.ops.triton import hstu_attention_bwd as bwd
@@ -22,21 +22,6 @@ from gr_plugin.ops.triton import hstu_attention_bwd as bwd
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = ["64,64,8,1", "64,64,4,1", "64,64,8,2", "32,64,4,1", "64,32,4,1", "32,32,4,1", "128,64,8,1", "64,128,8,1",
            "32,128,8,1", "16,32,4,1", "32,32,8,1", "16,16,4,1"]
-
-
-def time_ms(fn, repeats: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -58,7 +43,8 @@ def main() -> None:
             kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
             row = {"dim": dim, "dtype": name, "bs": args.bs, "history": args.history,
                    "default": bwd.blocks(dim, dtype, q.device)}
-            row["triton_forward_ms"] = round(time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw)), 4)
+            forward_ms = time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw), 10)
+            row["triton_forward_ms"] = round(forward_ms, 4)
 
             def reference():
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -73,7 +59,7 @@ def main() -> None:
                 tiles = tuple(int(x) for x in cfg.split(","))
                 try:
                     ms = time_ms(lambda tiles=tiles: bwd.hstu_attention_jagged_backward(do, q, k, v, offsets, nc,
-                                                                                        tiles=tiles, **kw))
+                                                                                        tiles=tiles, **kw), 10)
                     row[cfg] = round(ms, 4)
                 except Exception as e:  # (a config past the shared memory: reported, the sweep goes on)
                     row[cfg] = f"error: {type(e).__name__}: {str(e)[:80]}"
