@@ -1,6 +1,7 @@
 // The gr_kv op schemas and their CPU kernels (ATen, no Python).
 //
-// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention, gr_kv::hstu_attention_jagged, their
+// Owns: the schemas of gr_kv::append_kv, gr_kv::paged_hstu_attention, gr_kv::hstu_attention_jagged (and its
+// backward, gr_kv::hstu_attention_jagged_backward, which CPU training runs), their
 // whole-table forms gr_kv::append_kv_layer and gr_kv::paged_hstu_attention_layer, gr_kv::gather_pages and
 // gr_kv::scatter_pages (frozen: docs/EXPORT.md), their boundary checks, and the
 // CPU kernels (gather/scatter: one kernel for every device, ATen index ops). The semantics are those of the
@@ -21,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -318,8 +320,15 @@ Tensor paged_hstu_attention_cpu(const Tensor& q, const Tensor& k, const Tensor& 
 // hstu_attention_jagged: sequence b is seq_offsets[b]..seq_offsets[b+1], its last num_candidates[b]
 // tokens are candidates.
 
-Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
-                                 const Tensor& num_candidates, double alpha, double n_norm) {
+// The checks of the jagged form's inputs; the sequences' offsets and candidate counts as host arrays.
+struct JaggedInputs {
+  Tensor so_t, nc_t;
+  const int64_t *so, *nc;
+  int64_t total, bsz;
+};
+
+JaggedInputs check_jagged(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                          const Tensor& num_candidates, double n_norm) {
   TORCH_CHECK_VALUE(q.sizes() == k.sizes() && v.sizes() == k.sizes() && q.dim() == 3,
                     "q, k, v must share a [T, H, D] shape, got ", shape_str(q), ", ", shape_str(k), ", ",
                     shape_str(v));
@@ -330,23 +339,85 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
   const int64_t total = q.size(0), bsz = seq_offsets.size(0) - 1;
   check_offsets("seq_offsets", seq_offsets, total, "q");
   check_size("num_candidates", num_candidates, bsz, "B, from seq_offsets");
-  const Tensor so_t = seq_offsets.contiguous(), nc_t = num_candidates.contiguous();
-  const int64_t *so = so_t.const_data_ptr<int64_t>(), *nc = nc_t.const_data_ptr<int64_t>();
+  JaggedInputs in{seq_offsets.contiguous(), num_candidates.contiguous(), nullptr, nullptr, total, bsz};
+  in.so = in.so_t.const_data_ptr<int64_t>();
+  in.nc = in.nc_t.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < bsz; ++b) {
-    TORCH_CHECK_VALUE(nc[b] >= 0 && nc[b] <= so[b + 1] - so[b], "num_candidates[", b, "] = ", nc[b],
-                      " is outside [0, ", so[b + 1] - so[b], "] (the sequence length)");
+    TORCH_CHECK_VALUE(in.nc[b] >= 0 && in.nc[b] <= in.so[b + 1] - in.so[b], "num_candidates[", b, "] = ", in.nc[b],
+                      " is outside [0, ", in.so[b + 1] - in.so[b], "] (the sequence length)");
   }
+  return in;
+}
+
+// Runs body(piece, start, n, n_hist) over the pieces of a jagged batch (`for_each_piece`, cost n^2 a user).
+template <typename Body>
+void for_each_jagged_piece(const JaggedInputs& in, int64_t heads, const Body& body) {
+  const auto cost = [&](int64_t b) {
+    return static_cast<double>(in.so[b + 1] - in.so[b]) * (in.so[b + 1] - in.so[b]);
+  };
+  for_each_piece(in.bsz, heads, cost, [&](const Piece& w) {
+    const int64_t start = in.so[w.b], n = in.so[w.b + 1] - start;
+    body(w, start, n, n - in.nc[w.b]);
+  });
+}
+
+Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                                 const Tensor& num_candidates, double alpha, double n_norm) {
+  const JaggedInputs in = check_jagged(q, k, v, seq_offsets, num_candidates, n_norm);
   Tensor out = at::empty_like(q);
-  if (total == 0) return out;
+  if (in.total == 0) return out;
   const int64_t heads = q.size(1);
-  const auto cost = [&](int64_t b) { return static_cast<double>(so[b + 1] - so[b]) * (so[b + 1] - so[b]); };
-  for_each_piece(bsz, heads, cost, [&](const Piece& w) {  // (as in paged_hstu_attention)
-    const int64_t start = so[w.b], n = so[w.b + 1] - start, n_hist = n - nc[w.b];
+  for_each_jagged_piece(in, heads, [&](const Piece& w, int64_t start, int64_t n, int64_t n_hist) {
     const auto rows = [&](const Tensor& t) { return head_range(t.narrow(0, start, n), w, heads, 1); };
     const Tensor qu = rows(q), ku = rows(k), vu = rows(v);
     attend_user(qu, ku, vu, ku.narrow(0, 0, n_hist), vu.narrow(0, 0, n_hist), n_hist, 0, alpha, n_norm, rows(out));
   });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// hstu_attention_jagged_backward: (dq, dk, dv) of hstu_attention_jagged given grad_out, per user and head
+// range, in the op-math dtype. With s = alpha q_i.k_j and the mask m (j <= i, and j in the history or
+// j == i): dv = (m SiLU(s))^T do / n_norm; dp = m (do v^T) SiLU'(s); dq = dp k alpha / n_norm,
+// dk = dp^T q alpha / n_norm; SiLU'(s) = sig(s) (1 + s (1 - sig(s))). One user's [H, n, n] scores at a time.
+
+void attend_user_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, int64_t n_hist,
+                          double alpha, double n_norm, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  const at::ScalarType acc = at::toOpMathType(q.scalar_type());
+  const int64_t n = q.size(0);
+  const Tensor qh = q.to(acc).transpose(0, 1), kh = k.to(acc).transpose(0, 1);  // [H, n, D]
+  const Tensor vh = v.to(acc).transpose(0, 1), doh = dout.to(acc).transpose(0, 1);
+  Tensor mask = at::ones({n, n}, qh.options()).tril_();  // j <= i; a candidate's key only on its own row
+  // (candidate key j = n_hist + c, column c of the narrowed view: only row i == j, i.e. c - i == -n_hist)
+  if (n_hist < n) mask.narrow(1, n_hist, n - n_hist).tril_(-n_hist).triu_(-n_hist);
+  const Tensor s = at::bmm(qh, kh.transpose(1, 2)).mul_(alpha);  // [H, n, n]
+  const Tensor sig = at::sigmoid(s);
+  const Tensor w = (s * sig).mul_(mask);
+  const Tensor dp = at::bmm(doh, vh.transpose(1, 2));  // do v^T
+  dp.mul_(sig).mul_(sig.neg().add_(1).mul_(s).add_(1)).mul_(mask);
+  dv.copy_(at::bmm(w.transpose(1, 2), doh).div_(n_norm).transpose(0, 1));
+  dq.copy_(at::bmm(dp, kh).mul_(alpha / n_norm).transpose(0, 1));
+  dk.copy_(at::bmm(dp.transpose(1, 2), qh).mul_(alpha / n_norm).transpose(0, 1));
+}
+
+std::tuple<Tensor, Tensor, Tensor> hstu_attention_jagged_backward_cpu(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+    const Tensor& num_candidates, double alpha, double n_norm) {
+  const JaggedInputs in = check_jagged(q, k, v, seq_offsets, num_candidates, n_norm);
+  TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes() && grad_out.scalar_type() == q.scalar_type() &&
+                        grad_out.device() == q.device(),
+                    "grad_out must be q's shape, dtype and device, got ", shape_str(grad_out), " ",
+                    dtype_name(grad_out.scalar_type()), " on ", grad_out.device(), " for ", shape_str(q), " ",
+                    dtype_name(q.scalar_type()), " on ", q.device());
+  Tensor dq = at::zeros_like(q, at::MemoryFormat::Contiguous), dk = at::zeros_like(dq), dv = at::zeros_like(dq);
+  if (in.total == 0) return {dq, dk, dv};
+  const int64_t heads = q.size(1);
+  for_each_jagged_piece(in, heads, [&](const Piece& w, int64_t start, int64_t n, int64_t n_hist) {
+    const auto rows = [&](const Tensor& t) { return head_range(t.narrow(0, start, n), w, heads, 1); };
+    attend_user_backward(rows(q), rows(k), rows(v), rows(grad_out), n_hist, alpha, n_norm, rows(dq), rows(dk),
+                         rows(dv));
+  });
+  return {dq, dk, dv};
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -434,6 +505,9 @@ TORCH_LIBRARY_FRAGMENT(gr_kv, m) {
   m.def(
       "hstu_attention_jagged(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor num_candidates, "
       "float alpha, float n_norm) -> Tensor");
+  m.def(
+      "hstu_attention_jagged_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, "
+      "Tensor num_candidates, float alpha, float n_norm) -> (Tensor, Tensor, Tensor)");
   m.def("append_kv_layer(Tensor(a!) kv_table, int layer, Tensor k, Tensor v, Tensor slots, Tensor rows) -> ()");
   m.def(
       "paged_hstu_attention_layer(Tensor q, Tensor k, Tensor v, Tensor kv_table, int layer, Tensor kv_indices, "
@@ -447,6 +521,7 @@ TORCH_LIBRARY_IMPL(gr_kv, CPU, m) {
   m.impl("append_kv", &append_kv_cpu);
   m.impl("paged_hstu_attention", &paged_hstu_attention_cpu);
   m.impl("hstu_attention_jagged", &hstu_attention_jagged_cpu);
+  m.impl("hstu_attention_jagged_backward", &hstu_attention_jagged_backward_cpu);
   m.impl("append_kv_layer", &append_kv_layer_cpu);
   m.impl("paged_hstu_attention_layer", &paged_hstu_attention_layer_cpu);
 }

@@ -7,9 +7,10 @@ which also defines the semantics).
 the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. When
 autograd needs the attention's gradient (training), the full (jagged) form in bf16/fp16 takes the
 Triton kernels with their backward (`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's
-would serve (fp32 training keeps the reference: measured faster there). The paged form's Triton
-kernel and the C++ kernels are forward-only: there ``auto`` takes the reference, whose torch ops
-have a backward, and ``triton`` is an error rather than a silently cut gradient.
+would serve (fp32 training keeps the reference: measured faster there); on CPU tensors, the C++
+kernels with their C++ backward (`gr_plugin.ops.cpu_attention`). The paged form's kernels are
+forward-only: there ``auto`` takes the reference, whose torch ops have a backward, and ``triton`` is
+an error rather than a silently cut gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 
 import torch
 
-from gr_plugin.ops import norm
+from gr_plugin.ops import cpu_attention, norm
 from gr_plugin.ops.pytorch import hstu_attention as _ref
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,9 @@ def _use_triton(q: torch.Tensor, *more: torch.Tensor, backward: bool = False) ->
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor):
-    """``torch.ops.gr_kv`` where its C++ CPU kernels serve these inputs (``auto``, CPU tensors, no
-    gradient needed: they have no backward), else None.
+def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor, backward: bool = False):
+    """``torch.ops.gr_kv`` where its C++ CPU kernels serve these inputs (``auto``, CPU tensors; a gradient
+    only where the caller has the C++ backward, ``backward``: the full form), else None.
 
     NOTE: the reference pads every user to the batch's longest sequence and builds the mask as
     ``[B, S, S]`` tensors; the C++ kernels run each user at its own length, in place. Measured on the
@@ -92,7 +93,7 @@ def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor):
     a batch through the reference, 8.9 ms here; its cached pass 17.8 and 7.0 ms."""
     if os.environ.get("GR_PLUGIN_ATTENTION", "auto") != "auto" or q.device.type != "cpu":
         return None
-    if _needs_grad(q, *more):
+    if not backward and _needs_grad(q, *more):
         return None
     return _cpu_ops()
 
@@ -105,9 +106,12 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
         impl = _triton_training() if _needs_grad(q, k, v) else _triton_ops()
         return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                           max_seq_len=max_seq_len)
-    cpu = _cpu_kernels(q, k, v)
+    cpu = _cpu_kernels(q, k, v, backward=True)
     if cpu is not None:
         # (int64 as the C++ ops require; the reference took any integer type: ``long()`` copies only then)
+        if _needs_grad(q, k, v):  # training: the C++ forward and backward (`cpu_attention`)
+            return cpu_attention.hstu_attention_jagged(q, k, v, seq_offsets.long(), num_candidates.long(),
+                                                       alpha=alpha, n_norm=n_norm)
         return cpu.hstu_attention_jagged(q, k, v, seq_offsets.long(), num_candidates.long(), alpha, n_norm)
     return _ref.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                       max_seq_len=max_seq_len)

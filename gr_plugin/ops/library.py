@@ -11,7 +11,9 @@ allocation) stays outside the graph; the graph sees the cache table and small me
   ``[M, H, D]`` is written at ``slots[i]`` of ``kv_layer [num_pages, 2, P, H, D]``.
 - ``gr_kv::paged_hstu_attention(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths,
   q_offsets, new_lengths, alpha, n_norm) -> Tensor [Nq, H, D]``.
-- ``gr_kv::hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm) -> [T, H, D]``.
+- ``gr_kv::hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha, n_norm) -> [T, H, D]``, and
+  ``gr_kv::hstu_attention_jagged_backward(grad_out, q, k, v, seq_offsets, num_candidates, alpha, n_norm)
+  -> (dq, dk, dv)``, its gradient (CPU only: what CPU training runs, `gr_plugin.ops.cpu_attention`).
 - ``gr_kv::append_kv_layer(kv_table!, layer, k, v, slots, rows)`` and
   ``gr_kv::paged_hstu_attention_layer(q, k, v, kv_table, layer, ...)``: the two ops above on layer
   ``layer`` of the whole table ``[L, num_pages, 2, P, H, D]`` (what the exported stack calls: a graph
@@ -100,6 +102,11 @@ def _(q, k, v, kv_layer, kv_indices, kv_indptr, history_lengths, q_offsets, new_
 @torch.library.register_fake("gr_kv::hstu_attention_jagged")
 def _(q, k, v, seq_offsets, num_candidates, alpha, n_norm):
     return torch.empty_like(q)
+
+
+@torch.library.register_fake("gr_kv::hstu_attention_jagged_backward")
+def _(grad_out, q, k, v, seq_offsets, num_candidates, alpha, n_norm):
+    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3))
 
 
 def _layer(kv_table: torch.Tensor, layer: int) -> torch.Tensor:

@@ -104,8 +104,9 @@ def test_reference_page_ops_used_consistently():
 
 
 def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
-    """`gr_plugin.ops` on CPU tensors: the gr_kv C++ kernels where no gradient is needed (``auto``), the
-    reference where one is, or where ``GR_PLUGIN_ATTENTION=reference``; the outputs agree."""
+    """`gr_plugin.ops` on CPU tensors: the gr_kv C++ kernels under ``auto`` (where a gradient is needed,
+    with their C++ backward), the reference where ``GR_PLUGIN_ATTENTION=reference``; outputs and
+    gradients agree."""
     from gr_plugin.ops import hstu_attention as dispatch
     from gr_plugin.ops.pytorch import hstu_attention as ref
 
@@ -127,12 +128,19 @@ def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
     slow = dispatch.hstu_attention_jagged(*args, **kw)
     assert calls == ["hstu_attention_jagged"]
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-6)
-    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
-    leaf = q.clone().requires_grad_()
-    out = dispatch.hstu_attention_jagged(leaf, k, v, *args[3:], **kw)  # training: the reference, with a backward
+    grads = {}
+    for mode in ("auto", "reference"):  # training: the C++ kernels both ways, then the reference's autograd
+        monkeypatch.setenv("GR_PLUGIN_ATTENTION", mode)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = dispatch.hstu_attention_jagged(*leaves, *args[3:], **kw)
+        assert (type(out.grad_fn).__name__ == "CppJaggedAttentionBackward") == (mode == "auto")
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads[mode] = [t.grad for t in leaves]
     assert calls == ["hstu_attention_jagged"] * 2
-    out.sum().backward()
-    assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+    for a, b in zip(grads["auto"], grads["reference"]):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
     with torch.no_grad():  # int32 offsets and counts, which the reference takes too
         torch.testing.assert_close(dispatch.hstu_attention_jagged(q, k, v, offsets.int(), args[4].int(), **kw), fast)
     with torch.no_grad(), pytest.raises(ValueError, match="seq_offsets"):  # the C++ kernel's own checks

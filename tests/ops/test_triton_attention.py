@@ -549,8 +549,9 @@ def test_gpu_stream_k_and_tma_equal_the_split_kernel(tma, programs):
 
 
 def test_training_takes_the_differentiable_path(monkeypatch):
-    """With q/k/v requiring grad on CPU tensors the dispatcher uses the torch reference under ``auto``
-    (gradients flow); a forced ``triton`` trains the full form through its Triton backward
+    """With q/k/v requiring grad on CPU tensors the dispatcher uses the C++ kernels and their backward
+    under ``auto`` (gradients flow; their values: test_hstu_attention.py); a forced ``triton`` trains the
+    full form through its Triton backward
     (tests/ops/test_triton_attention_bwd.py) and refuses the forward-only paged form rather than cutting
     its gradient (the refusal: the bwd tests)."""
     from gr_plugin.ops import hstu_attention as dispatch
@@ -568,7 +569,7 @@ def test_training_takes_the_differentiable_path(monkeypatch):
     monkeypatch.setenv("GR_PLUGIN_ATTENTION", "auto")
     assert not dispatch._use_triton(*pos[:3], backward=True)  # (CPU tensors)
     out = dispatch.hstu_attention_jagged(*pos, alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"])
-    assert type(out.grad_fn).__name__ != "JaggedAttentionBackward"
+    assert type(out.grad_fn).__name__ == "CppJaggedAttentionBackward"
     out.square().sum().backward()
     assert all(jag[n].grad is not None and jag[n].grad.abs().sum() > 0 for n in ("q", "k", "v"))
 
