@@ -29,7 +29,7 @@ SUITES = {
                   "Lightning predict: no callback vs KVCacheCallback eager vs with CUDA graphs"),
     "serve": (serve.run, serve.COLUMNS, "Serving: Triton server latency and throughput with and without cache hits"),
     "export": (export.run, export.COLUMNS, "Export: eager cached step vs the AOTInductor package, hits and misses"),
-    "train": (train_bench.run, train_bench.COLUMNS, "GPU training: the Triton attention backward vs the reference"),
+    "train": (train_bench.run, train_bench.COLUMNS, "Training: the attention kernels and backward vs the reference"),
 }
 
 
