@@ -164,6 +164,13 @@ def run(parts=("attention", "stack"), head_dims=(128, 256), batch_sizes=(1, 8), 
         raise ValueError(f"train.device must be cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("suite=train with train.device=cuda needs a GPU (train.device=cpu measures the CPU path)")
+    if device == "cpu":  # (a CPU out-of-memory is no OutOfMemoryError: refuse what cannot fit)
+        s_max = max([*histories, *stack_histories]) + candidates
+        big = max(batch_sizes) * heads * s_max**2 * 8  # the fp64 oracle's padded scores, one tensor
+        if big > 2**31:
+            raise ValueError(f"train.device=cpu at batch {max(batch_sizes)}, {heads} heads and {s_max} tokens a "
+                             f"user needs {big / 2**30:.1f} GiB per score tensor: pick smaller sizes (the "
+                             f"docs' command: docs/BENCHMARKS.md, 'CPU training')")
     unknown = set(parts) - {"attention", "stack"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; choose from attention, stack")

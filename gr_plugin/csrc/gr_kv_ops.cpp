@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -191,12 +192,17 @@ void for_each_piece(int64_t bsz, int64_t heads, const Cost& cost, const Body& bo
   std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& c) { return a.cost > c.cost; });
   if (threads <= 1 || pieces.size() <= 1) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     for (const Piece& p : pieces) body(p);
     return;
   }
   std::atomic<size_t> next{0};
   at::parallel_for(0, std::min<int64_t>(threads, static_cast<int64_t>(pieces.size())), 1, [&](int64_t, int64_t) {
-    at::AutoDispatchBelowADInplaceOrView guard;  // thread-local: set in every worker
+    // NOTE: thread-local, so set in every worker: below autograd, and without autocast (whose per-thread state
+    // the OpenMP workers do not inherit: under a caller's bf16 autocast the pieces run on the calling thread
+    // took bf16 GEMMs and the others fp32, so the bits followed the schedule)
+    at::AutoDispatchBelowADInplaceOrView guard;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     for (size_t i; (i = next.fetch_add(1)) < pieces.size();) body(pieces[i]);
   });
 }
@@ -381,21 +387,29 @@ Tensor hstu_attention_jagged_cpu(const Tensor& q, const Tensor& k, const Tensor&
 // j == i): dv = (m SiLU(s))^T do / n_norm; dp = m (do v^T) SiLU'(s); dq = dp k alpha / n_norm,
 // dk = dp^T q alpha / n_norm; SiLU'(s) = sig(s) (1 + s (1 - sig(s))). One user's [H, n, n] scores at a time.
 
+// Zeroes the pairs the mask drops from x [H, n, n] (rows i, keys j), in place: j > i, and a candidate's key
+// (j >= n_hist) on any row but its own.
+void mask_pairs_(const Tensor& x, int64_t n_hist) {
+  const int64_t n = x.size(1);
+  x.tril_();
+  // (candidate key j = n_hist + c, column c of the view: after tril_ c <= i - n_hist; keep c == i - n_hist)
+  if (n_hist < n) x.narrow(2, n_hist, n - n_hist).triu_(-n_hist);
+}
+
 void attend_user_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, int64_t n_hist,
                           double alpha, double n_norm, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   const at::ScalarType acc = at::toOpMathType(q.scalar_type());
-  const int64_t n = q.size(0);
   const Tensor qh = q.to(acc).transpose(0, 1), kh = k.to(acc).transpose(0, 1);  // [H, n, D]
   const Tensor vh = v.to(acc).transpose(0, 1), doh = dout.to(acc).transpose(0, 1);
-  Tensor mask = at::ones({n, n}, qh.options()).tril_();  // j <= i; a candidate's key only on its own row
-  // (candidate key j = n_hist + c, column c of the narrowed view: only row i == j, i.e. c - i == -n_hist)
-  if (n_hist < n) mask.narrow(1, n_hist, n - n_hist).tril_(-n_hist).triu_(-n_hist);
-  const Tensor s = at::bmm(qh, kh.transpose(1, 2)).mul_(alpha);  // [H, n, n]
+  // NOTE: three [H, n, n] buffers at once: s (then SiLU'(s)), sig, and w (then dp).
+  const Tensor s = at::bmm(qh, kh.transpose(1, 2)).mul_(alpha);
   const Tensor sig = at::sigmoid(s);
-  const Tensor w = (s * sig).mul_(mask);
-  const Tensor dp = at::bmm(doh, vh.transpose(1, 2));  // do v^T
-  dp.mul_(sig).mul_(sig.neg().add_(1).mul_(s).add_(1)).mul_(mask);
+  Tensor w = s * sig;
+  mask_pairs_(w, n_hist);
   dv.copy_(at::bmm(w.transpose(1, 2), doh).div_(n_norm).transpose(0, 1));
+  const Tensor dp = at::bmm_out(w, doh, vh.transpose(1, 2));  // do v^T, into w's buffer
+  s.addcmul_(s, sig, -1).add_(1).mul_(sig);  // SiLU'(s) = sig (1 + s (1 - sig)), in place
+  mask_pairs_(dp.mul_(s), n_hist);
   dq.copy_(at::bmm(dp, kh).mul_(alpha / n_norm).transpose(0, 1));
   dk.copy_(at::bmm(dp.transpose(1, 2), qh).mul_(alpha / n_norm).transpose(0, 1));
 }
@@ -409,7 +423,8 @@ std::tuple<Tensor, Tensor, Tensor> hstu_attention_jagged_backward_cpu(
                     "grad_out must be q's shape, dtype and device, got ", shape_str(grad_out), " ",
                     dtype_name(grad_out.scalar_type()), " on ", grad_out.device(), " for ", shape_str(q), " ",
                     dtype_name(q.scalar_type()), " on ", q.device());
-  Tensor dq = at::zeros_like(q, at::MemoryFormat::Contiguous), dk = at::zeros_like(dq), dv = at::zeros_like(dq);
+  // (every row of every sequence is written: the offsets end at q's row count)
+  Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous), dk = at::empty_like(dq), dv = at::empty_like(dq);
   if (in.total == 0) return {dq, dk, dv};
   const int64_t heads = q.size(1);
   for_each_jagged_piece(in, heads, [&](const Piece& w, int64_t start, int64_t n, int64_t n_hist) {

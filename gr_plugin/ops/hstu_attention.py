@@ -1,7 +1,7 @@
-"""Dispatch of the HSTU attention ops: the Triton kernel for CUDA tensors it supports; for CPU tensors
-that need no gradient, the ``gr_kv`` C++ CPU kernels (`gr_plugin.ops.library`: per user, no padding;
-the ops an exported package runs); else the pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``,
-which also defines the semantics).
+"""Dispatch of the HSTU attention ops: the Triton kernel for CUDA tensors it supports; for CPU tensors,
+the ``gr_kv`` C++ CPU kernels (`gr_plugin.ops.library`: per user, no padding; the ops an exported package
+runs); else the pure-torch reference (``gr_plugin.ops.pytorch.hstu_attention``, which also defines the
+semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
 the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. When

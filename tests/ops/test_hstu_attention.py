@@ -103,7 +103,7 @@ def test_reference_page_ops_used_consistently():
     assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
-def test_cpu_dispatch_takes_the_cpp_kernels_without_a_gradient(monkeypatch):
+def test_cpu_dispatch_takes_the_cpp_kernels_with_and_without_a_gradient(monkeypatch):
     """`gr_plugin.ops` on CPU tensors: the gr_kv C++ kernels under ``auto`` (where a gradient is needed,
     with their C++ backward), the reference where ``GR_PLUGIN_ATTENTION=reference``; outputs and
     gradients agree."""

@@ -30,8 +30,8 @@ def _ref_paged(p):
                                     max_history_len=p["max_history_len"], num_history_tokens=p["num_history_tokens"])
 
 
-@pytest.mark.parametrize("op", ["append_kv", "paged_hstu_attention", "hstu_attention_jagged", "append_kv_layer",
-                                "paged_hstu_attention_layer"])
+@pytest.mark.parametrize("op", ["append_kv", "paged_hstu_attention", "hstu_attention_jagged",
+                                "hstu_attention_jagged_backward", "append_kv_layer", "paged_hstu_attention_layer"])
 def test_cpu_kernels_and_schemas_are_cpp(op):
     dump = torch._C._dispatch_dump(f"gr_kv::{op}")
     lines = {line.split(":")[0]: line for line in dump.splitlines()}

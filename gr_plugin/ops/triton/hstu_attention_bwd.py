@@ -201,12 +201,15 @@ class JaggedAttention(torch.autograd.Function):
     it raises rather than return gradients that silently lack their dependence on q, k, v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len):
-        out = fwd.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
-                                        max_seq_len=max_seq_len)
+    def forward(q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len):
+        return fwd.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
+                                         max_seq_len=max_seq_len)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len = inputs
         ctx.save_for_backward(q, k, v, seq_offsets, num_candidates)
         ctx.sizes = (alpha, n_norm, max_seq_len)
-        return out
 
     @staticmethod
     def backward(ctx, dout):
