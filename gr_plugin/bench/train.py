@@ -21,11 +21,11 @@ import contextlib
 import logging
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
 
+from gr_plugin.bench import common
 from gr_plugin.bench.block import _Layout, _offsets, _time_ms
 from gr_plugin.modules.hstu import HSTUConfig, HSTULayer, full_stack
 from gr_plugin.ops import hstu_attention as attention
@@ -57,12 +57,7 @@ def _time(fn, repeats: int, device: str) -> float:
         return _time_ms(fn, repeats)
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(common.timed_us(fn, repeats)[0]) / 1e3
 
 
 def _peak_mib(fn, device: str) -> float | None:
