@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from gr_plugin.ops.kernel_grad import refuse_second_order
+
 
 class CppJaggedAttention(torch.autograd.Function):
     """``gr_kv::hstu_attention_jagged`` with ``gr_kv::hstu_attention_jagged_backward`` as its gradient (which
-    computes dq, dk and dv; autograd keeps those asked for). The backward is not differentiable itself:
-    asked for a graph of it (``create_graph=True``, which torch.func transforms also ask for) it raises
-    rather than return gradients that silently lack their dependence on q, k, v."""
+    computes dq, dk and dv; autograd keeps those asked for); the backward is first-order only
+    (`gr_plugin.ops.kernel_grad`)."""
 
     @staticmethod
     def forward(q, k, v, seq_offsets, num_candidates, alpha, n_norm):
@@ -30,10 +31,7 @@ class CppJaggedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if torch.is_grad_enabled():  # (autograd enables grad mode in a backward only for create_graph=True)
-            raise RuntimeError("the C++ HSTU attention's backward is not differentiable (create_graph=True: a "
-                               "double backward, or a torch.func transform): run the attention through the torch "
-                               "reference (GR_PLUGIN_ATTENTION=reference) for those")
+        refuse_second_order("the C++")
         q, k, v, seq_offsets, num_candidates = ctx.saved_tensors
         grads = torch.ops.gr_kv.hstu_attention_jagged_backward(dout, q, k, v, seq_offsets, num_candidates,
                                                                *ctx.scalars)

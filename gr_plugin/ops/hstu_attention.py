@@ -102,14 +102,15 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq
                           num_candidates: torch.Tensor, *, alpha: float, n_norm: float,
                           max_seq_len: int) -> torch.Tensor:
     """Full-sequence HSTU attention ``[T, H, D]``; see the reference for the semantics."""
+    grad = _needs_grad(q, k, v)
     if _use_triton(q, k, v, backward=True):
-        impl = _triton_training() if _needs_grad(q, k, v) else _triton_ops()
+        impl = _triton_training() if grad else _triton_ops()
         return impl.hstu_attention_jagged(q, k, v, seq_offsets, num_candidates, alpha=alpha, n_norm=n_norm,
                                           max_seq_len=max_seq_len)
     cpu = _cpu_kernels(q, k, v, backward=True)
     if cpu is not None:
         # (int64 as the C++ ops require; the reference took any integer type: ``long()`` copies only then)
-        if _needs_grad(q, k, v):  # training: the C++ forward and backward (`cpu_attention`)
+        if grad:  # training: the C++ forward and backward (`cpu_attention`)
             return cpu_attention.hstu_attention_jagged(q, k, v, seq_offsets.long(), num_candidates.long(),
                                                        alpha=alpha, n_norm=n_norm)
         return cpu.hstu_attention_jagged(q, k, v, seq_offsets.long(), num_candidates.long(), alpha, n_norm)

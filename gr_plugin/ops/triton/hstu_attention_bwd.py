@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gr_plugin.ops.kernel_grad import refuse_second_order
 from gr_plugin.ops.triton import hstu_attention as fwd
 
 
@@ -196,9 +197,8 @@ def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
 
 
 class JaggedAttention(torch.autograd.Function):
-    """The full-sequence attention with a gradient: the Triton forward, the backward above. The backward
-    is not differentiable itself: asked for a graph of it (``create_graph=True``, e.g. a gradient penalty)
-    it raises rather than return gradients that silently lack their dependence on q, k, v."""
+    """The full-sequence attention with a gradient: the Triton forward, the backward above (first-order
+    only: `gr_plugin.ops.kernel_grad`)."""
 
     @staticmethod
     def forward(q, k, v, seq_offsets, num_candidates, alpha, n_norm, max_seq_len):
@@ -213,10 +213,7 @@ class JaggedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if torch.is_grad_enabled():  # (autograd enables grad mode in a backward only for create_graph=True)
-            raise RuntimeError("the Triton HSTU attention's backward is not differentiable (create_graph=True, "
-                               "a double backward): run the attention through the torch reference "
-                               "(GR_PLUGIN_ATTENTION=reference) for higher-order gradients")
+        refuse_second_order("the Triton")
         q, k, v, seq_offsets, num_candidates = ctx.saved_tensors
         alpha, n_norm, max_seq_len = ctx.sizes
         dq, dk, dv = hstu_attention_jagged_backward(dout, q, k, v, seq_offsets, num_candidates, alpha=alpha,
