@@ -2,13 +2,10 @@
 
     python3 scripts/gpu/tune_attention_bwd.py [--dims 128 256] [--dtypes bf16 fp32] [--configs M,N,W,S ...]
     python3 scripts/gpu/tune_attention_bwd.py --against OLD.py [--rounds 20]
-    python3 scripts/gpu/tune_attention_bwd.py --tf32 --dtypes fp32 [...]
 
 Per head_dim and dtype: bs 8 users of a 2048-event history + 256 candidates, 4 heads; the backward alone (both
 kernels) per config, ms (median of CUDA-event-timed calls), next to the torch reference's forward + backward
 and the Triton forward; one JSON line per row. A config that fails to compile (shared memory) is reported.
-``--tf32``: everything under ``torch.set_float32_matmul_precision("high")`` (fp32's dots then take TF32 in the
-kernels, `hstu_attention.ieee_dots`, and in the reference's cuBLAS matmuls).
 
 ``--against``: another version of the backward module (a file, e.g. ``git show REV:gr_plugin/ops/triton/
 hstu_attention_bwd.py``) timed beside this tree's at each dim's default tiles, in interleaved rounds (each first
@@ -85,9 +82,7 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=2048)
     ap.add_argument("--against", help="another backward module's file, timed beside this tree's")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--tf32", action="store_true", help="TF32 allowed for fp32 matmuls (the kernels' and torch's)")
     args = ap.parse_args()
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
     if args.against:
         against(args.against, args.dims, args.rounds, args.bs, args.history)
         return
@@ -101,7 +96,7 @@ def main() -> None:
             q, k, v, do = (torch.randn(sum(lens), heads, dim, device="cuda", dtype=dtype) for _ in range(4))
             kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
             row = {"dim": dim, "dtype": name, "bs": args.bs, "history": args.history,
-                   "default": bwd.blocks(dim, dtype, q.device), "tf32": dtype == torch.float32 and args.tf32}
+                   "default": bwd.blocks(dim, dtype, q.device)}
             forward_ms = time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw), 10)
             row["triton_forward_ms"] = round(forward_ms, 4)
 

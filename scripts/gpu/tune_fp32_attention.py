@@ -1,16 +1,13 @@
 """Time the fp32 form of the Triton HSTU attention kernel over tile configs on the GPU (one device call).
 
 python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--configs M,N,W,S ...] [--out PATH]
-                                           [--tf32]
 
 The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `recipes.infer` runs at its default
 ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
 it took 2.29 ms a launch (docs/BENCHMARKS.md, "`recipes.infer` on the H200"). Each case runs the jagged (full pass)
 and the paged (cached step) form with every config of `CONFIGS`, the default's blocks (`_blocks`) first, and the
 pure-torch reference (cuBLAS, TF32 off) beside them; each row reports its output's max abs difference from the
-default's (``max_err``; the reference's from the default's in its own row). ``--tf32``: both under
-``torch.set_float32_matmul_precision("high")`` (the kernel's dots then take TF32, `hstu_attention.ieee_dots`, as
-the reference's cuBLAS matmuls do); each row says which (``tf32``).
+default's (``max_err``; the reference's from the default's in its own row).
 Prints one JSON line per measurement (median ms of `triton.testing.do_bench`) and writes them to ``--out``.
 """
 
@@ -68,10 +65,9 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["jagged", "paged"])
     ap.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each (default CONFIGS)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--tf32", action="store_true", help="TF32 allowed for fp32 matmuls (the kernel's and torch's)")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {"jagged": [(8, 512, None)], "paged": [(8, 1024, 16)]}
     rows = []
@@ -88,7 +84,7 @@ def sweep(form, bs, hist, new, dim, g, configs):
     launch, torch_ref = jagged_case(bs, hist, dim, g) if form == "jagged" else paged_case(bs, hist, new, dim, g)
     base = launch()
     want = torch_ref()
-    head = dict(form=form, dim=dim, bs=bs, hist=hist, new=new, tf32=not tri.ieee_dots(torch.float32))
+    head = dict(form=form, dim=dim, bs=bs, hist=hist, new=new)
     row = dict(head, config="torch", ms=ms(torch_ref), max_err=(want - base).abs().max().item())
     rows.append(row)
     print(json.dumps(row), flush=True)

@@ -523,47 +523,6 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     assert torch.equal(again, kernel)
 
 
-@pytest.fixture
-def matmul_precision():
-    """Sets ``torch.set_float32_matmul_precision`` for a test, then puts back "highest" (IEEE fp32)."""
-    yield torch.set_float32_matmul_precision
-    torch.set_float32_matmul_precision("highest")
-
-
-def test_fp32_dots_follow_torch_matmul_precision(matmul_precision):
-    """fp32 launches take IEEE dots unless torch lets its fp32 matmuls use TF32; bf16/fp16 never do."""
-    for precision, ieee in (("highest", True), ("high", False), ("medium", False), ("highest", True)):
-        matmul_precision(precision)
-        assert tri.ieee_dots(torch.float32) is ieee, precision
-        assert not tri.ieee_dots(torch.bfloat16) and not tri.ieee_dots(torch.float16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("which", ["jagged", "paged"])
-@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (32, 32)])
-def test_gpu_tf32_error_within_twice_the_torch_reference(which, dim, page_size, matmul_precision):
-    """fp32 with TF32 allowed (``torch.set_float32_matmul_precision("high")``): the kernel's dots take TF32 as
-    torch's matmuls then do; its error against fp64 is at most 2x the torch reference's under the same setting,
-    and "highest" gives the IEEE kernel's result back."""
-    g = torch.Generator().manual_seed(dim)
-    hist = torch.randint(0, 700, (4,), generator=g).tolist()
-    cand = torch.randint(1, 70, (4,), generator=g).tolist()
-    cached = [0, hist[1] // 2, hist[2], hist[3]]
-    jag, paged = build(hist, cand, cached, page_size, 4, dim, torch.float32, "cuda", dim)
-    args = jag if which == "jagged" else paged
-    exact = run(ref, which, args, torch.float64)
-    ieee = run(tri, which, args)
-    matmul_precision("high")
-    kernel, torch_tf32 = run(tri, which, args), run(ref, which, args)
-    err_kernel = (kernel.double() - exact).abs().max().item()
-    err_torch = (torch_tf32.double() - exact).abs().max().item()
-    err_ieee = (ieee.double() - exact).abs().max().item()
-    assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
-    assert err_kernel > 4 * err_ieee, (err_kernel, err_ieee)  # (TF32 was taken: ~10 mantissa bits, not 23)
-    matmul_precision("highest")
-    assert torch.equal(run(tri, which, args), ieee)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("programs", [None, 5, 300])

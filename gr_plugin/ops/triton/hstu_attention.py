@@ -369,18 +369,6 @@ GLUON_MAKESPAN = {(128, (64, 64, 4, 3)): (0.01172, 7.62), (256, (64, 32, 4, 4)):
 GLUON_FULL_TILES = {128: (64, 64, 4, 3), 256: (64, 32, 4, 4)}
 
 
-def ieee_dots(dtype: torch.dtype) -> bool:
-    """Whether the kernels' dots run in IEEE fp32 (FMA, no tensor cores): for fp32 inputs, unless torch
-    lets its own fp32 matmuls use TF32 (``torch.set_float32_matmul_precision("high")`` or ``"medium"``,
-    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, or the legacy ``allow_tf32``), where the dots take
-    TF32 tensor cores as cuBLAS does. Read at each launch: a captured CUDA graph keeps its capture's."""
-    if dtype != torch.float32:
-        return False
-    matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", None)  # (torch >= 2.9; it reflects the legacy setters too)
-    return precision != "tf32" if precision is not None else not matmul.allow_tf32
-
-
 def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size, element size, form and device.
 
@@ -845,7 +833,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             target.stride(-3), target.stride(-2),
             *strides, float(alpha), 1.0 / float(n_norm),
             PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=ieee_dots(q.dtype), FAST=bool(fast), TMA=bool(tma),
+            IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
             WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
             REVERSED=bool(reversed_programs) and stream,
             num_warps=warps, num_stages=stages,

@@ -185,7 +185,7 @@ def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     if bsz == 0 or q.shape[0] == 0 or max_seq_len <= 0:
         return dq, (dk if needs[1] else None), (dv if needs[2] else None)
     block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype, q.device)
-    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=fwd.ieee_dots(q.dtype), num_warps=warps,
+    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=warps,
                   num_stages=stages)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2], heads * dim, dim)
     args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), *strides)
