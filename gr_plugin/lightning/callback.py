@@ -10,10 +10,20 @@ unwritten pages), aborts it on an exception, and logs
 under DDP, where each rank caches the users its batches hold). On CUDA the cached steps
 replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`), as a server's
 engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
-batches are forgotten. During ``fit`` the weights change between validations, so each validation
-epoch uses a new namespace (old K/V are never read) and starts empty, and its graphs are dropped at
-its end (their memory goes back to training); as Lightning moves the module off the device between
-trainer calls, each call captures its graphs again. Its ``state_dict`` holds statistics only.
+batches are forgotten.
+
+K/V of older weights are never read: a validate / test / predict loop starts on an empty device cache
+under a new namespace (``<namespace>@step<global_step>-<random>``) when the weights may have
+changed since the cache was last used: a training step ran (so each validation during ``fit``, and
+any call after it), Lightning loaded a checkpoint (``ckpt_path``), `close` was called, or a parameter
+of the model was replaced or written in place (another model object, ``load_state_dict``, an
+optimizer step outside Lightning), as the parameters' identities and version counters say at the
+loop's start (a fused optimizer's step bumps no version counter: call `close` after one outside
+Lightning). Unchanged weights keep their K/V across trainer calls and Lightning's device moves.
+
+A validation's graphs are dropped at its end during ``fit`` (their memory goes back to training); as
+Lightning moves the module off the device between trainer calls, each call captures its graphs
+again. Its ``state_dict`` holds statistics only.
 
 The LightningModule must expose ``model`` (an `HSTURanker`). Before each batch the callback sets
 ``kv_engine`` and ``kv_step`` (score with ``kv_engine.forward(kv_step)``, see
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import uuid
 from typing import Any
 
 import lightning as L
@@ -75,6 +86,9 @@ class KVCacheCallback(Callback):
         self.cache: KVCacheModule | None = None
         self.engine: RankingEngine | None = None
         self._weights: tuple[int, ...] = ()  # the addresses the engine's graphs read the weights at
+        self._cache_namespace = namespace  # the namespace of the weights the cache's K/V come from
+        self._params: tuple[tuple[int, int], ...] | None = None  # `_params_key` when the cache was last used
+        self._stale = False  # the weights may have changed since the cache was last used (training, `close`)
         self.metrics: dict[str, dict[str, float]] = {}
         self._fallbacks = 0
         self._epoch_start: dict[str, Any] = {}
@@ -103,7 +117,7 @@ class KVCacheCallback(Callback):
         param = next(pl_module.parameters())
         probe = KVCacheConfig(num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                               page_size=self.page_size, num_pages=self.num_pages, dtype=dtype,
-                              device=str(param.device), namespace=self.namespace)
+                              device=str(param.device), namespace=self._cache_namespace)
         host_bytes = int(self.host_cache_gb * (1 << 30)) if self.backend != "gpu" else 0
         probe.host_cache_bytes = host_bytes
         # NOTE: Lightning's evaluation runs under inference mode; tensors made there could never be
@@ -125,6 +139,10 @@ class KVCacheCallback(Callback):
             self.close()  # (the old cache's memory, threads, SSD directory lock and connections first)
             self.cache = self._build(pl_module, dtype)
             self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
+        params = _params_key(model)
+        if self._stale or trainer.ckpt_path is not None or (self._params is not None and self._params != params):
+            self._new_weights(trainer)
+        self._params, self._stale = params, False
         if self.engine.graphs is not None:
             weights = tuple(t.data_ptr() for t in model.state_dict(keep_vars=True).values())
             if weights != self._weights:
@@ -140,6 +158,15 @@ class KVCacheCallback(Callback):
             object.__setattr__(pl_module, name, value)
         self._epoch_start[stage] = self._snapshot()
 
+    def _new_weights(self, trainer: L.Trainer) -> None:
+        """The weights may have changed: drop the device's pages and switch to a namespace never used
+        before, so no K/V of older weights are read, here or by a process sharing the remote tier. The
+        lower tiers keep the old namespace's pages (never read again; their LRU reclaims them): clearing
+        the remote tier would delete every process's pages under its key prefix."""
+        self.cache.manager.evict_all()
+        self._cache_namespace = f"{self.namespace}@step{trainer.global_step}-{uuid.uuid4().hex[:8]}"
+        self.cache.manager.set_namespace(self._cache_namespace)
+
     def _snapshot(self) -> dict[str, Any]:
         stats = self.cache.manager.stats()
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
@@ -147,13 +174,14 @@ class KVCacheCallback(Callback):
     def close(self) -> None:
         """Let go of the cache and its engine: graphs dropped, copies drained, tiers closed (threads
         stopped, the SSD directory unlocked), memory freed. A later trainer call builds a new cache
-        (users' K/V start empty). Call it when done with the callback, e.g. before another process or
-        callback uses the same ``ssd_cache_dir``."""
+        (users' K/V start empty, under a new namespace). Call it when done with the callback, e.g. before
+        another process or callback uses the same ``ssd_cache_dir``."""
         if self.cache is not None:
             self._drop_graphs()
             self.cache.manager.close()
             self.cache = self.engine = None
             self._weights = ()
+            self._stale = True  # (the remote tier keeps its pages: the next cache must not read them)
             gc.collect()  # NOTE: the manager sits in reference cycles: free its tables now, not at a later GC
 
     def _drop_graphs(self) -> None:
@@ -218,13 +246,14 @@ class KVCacheCallback(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # NOTE: a hook, not only the parameters' versions: fused optimizers update them in place
+        # without bumping their version counters.
+        self._stale = True
+
+    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == "fit" and self.cache is not None:
-            # NOTE: the weights changed since the last validation: never read K/V of old weights.
-            self.cache.manager.evict_all(all_tiers=True)
         self._attach(trainer, pl_module, "validate")
-        if trainer.state.fn == "fit" and self.cache is not None:
-            self.cache.manager.set_namespace(f"{self.namespace}@step{trainer.global_step}")
 
     @override
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -306,3 +335,11 @@ class KVCacheCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.metrics = dict(state_dict.get("metrics", {}))
         self._fallbacks = int(state_dict.get("fallbacks", 0))
+
+
+def _params_key(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Each parameter's identity and version counter: an in-place write (``load_state_dict``'s
+    ``copy_``, a non-fused optimizer step) bumps the version, a replaced parameter (``assign=True``,
+    another model) has another identity; Lightning's device moves (``Module.to`` sets ``.data``) keep
+    both. Buffers are left out: a device move replaces them."""
+    return tuple((id(p), p._version) for p in model.parameters())

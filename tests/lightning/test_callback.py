@@ -53,7 +53,7 @@ def test_fit_uses_a_fresh_namespace_per_validation_and_forgets_the_sanity_check(
                   enable_model_summary=False, callbacks=[cb], max_epochs=2, limit_train_batches=2,
                   limit_val_batches=4, num_sanity_val_steps=2)
     t.fit(module, datamodule=dm)
-    assert cb.cache.manager.namespace == f"gr_plugin@step{t.global_step}"
+    assert cb.cache.manager.namespace.startswith(f"gr_plugin@step{t.global_step}-")
     assert "validate" in cb.metrics and cb.metrics["validate"]["tokens_computed"] > 0
     state = cb.state_dict()
     assert set(state) == {"metrics", "fallbacks"}
@@ -157,9 +157,10 @@ def test_the_engine_is_kept_across_calls_and_its_graphs_cleared_when_the_weights
     assert spy.cleared == 2
     assert (torch.cat([first, rest]) - plain).abs().max() <= 1e-5
     assert cb.metrics["predict"]["tokens_reused"] > 0
-    # weights that moved (new tensors, same values): the same engine and cache, its graphs cleared
-    # before the first step (and at the teardown), the K/V kept
-    module.model.load_state_dict({k: v.clone() for k, v in module.model.state_dict().items()}, assign=True)
+    # weights that moved (new tensors, same values, as `Module.to` moves them): the same engine and
+    # cache, its graphs cleared before the first step (and at the teardown), the K/V kept
+    for p in module.model.parameters():
+        p.data = p.data.clone()
     seen = []
     spy.step = lambda layout, plan: seen.append(spy.cleared)
     again = _predict_scores(trainer([cb]), module, batches)
