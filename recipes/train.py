@@ -1,8 +1,16 @@
-"""``python -m recipes.train [+kvcache=native] [model=...] [data=...] [trainer.max_steps=...]``"""
+"""``python -m recipes.train [+kvcache=native] [model=...] [data=...] [trainer.max_steps=...]``
+
+Writes ``ckpt_out`` (by default one checkpoint per data source and model shape, what ``recipes.infer``
+loads); in a sweep (``-m``) each job writes its checkpoint into its own output directory instead,
+unless ``ckpt_out`` is given on the command line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
@@ -12,8 +20,13 @@ from gr_plugin.configs.schema import TrainConfig
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg) -> None:
+    hc = HydraConfig.get()
     obj: TrainConfig = OmegaConf.to_object(cfg)
-    out = train.run(obj, logger_dir=hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    given = any(o.split("=", 1)[0].lstrip("+~") == "ckpt_out" for o in hc.overrides.task)
+    if hc.mode == RunMode.MULTIRUN and not given:
+        # NOTE: the jobs of a sweep must not overwrite one another, nor the default that recipes.infer loads
+        obj.ckpt_out = str(Path(hc.runtime.output_dir) / Path(obj.ckpt_out).name)
+    out = train.run(obj, logger_dir=hc.runtime.output_dir)
     print(f"checkpoint: {out['checkpoint']}")
     for k, v in sorted(out["metrics"].items()):
         print(f"  {k}: {v:.4f}")

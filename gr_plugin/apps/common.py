@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import time
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ import torch
 
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
+from gr_plugin.cache.hashing import weights_fingerprint, weights_namespace
 from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
@@ -94,6 +96,18 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
                         page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or DTYPE_NAMES[dtype],
                         device=str(device), namespace=opts.namespace, host_cache_bytes=int(host_gb * (1 << 30)))
     return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
+
+
+def cache_namespace(salt: str, module: HSTURankingModule) -> str:
+    """The cache namespace of ``module``'s weights: ``salt`` (``kvcache.namespace``) and a fingerprint
+    of the weights and model config, so K/V that other weights computed are never read, even from a
+    tier shared across processes (SSD, Redis). Logged."""
+    t0 = time.perf_counter()
+    model = module.model
+    namespace = weights_namespace(salt, weights_fingerprint(model.state_dict(), dataclasses.asdict(model.config)))
+    logger.info("kvcache namespace %r (kvcache.namespace %r + the weights' fingerprint, %.2f s)", namespace, salt,
+                time.perf_counter() - t0)
+    return namespace
 
 
 def make_callback(opts: KVCacheOptions | None) -> KVCacheCallback | None:

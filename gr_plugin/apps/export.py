@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gr_plugin.apps.common import make_cache, make_datamodule, pick_device
-from gr_plugin.apps.infer import _load_or_train
+from gr_plugin.apps.infer import _load_or_train, check_options
 from gr_plugin.configs.kvcache import KVCacheOptions
 from gr_plugin.configs.schema import ExportConfig
 from gr_plugin.export.runner import PackagedCachedRanker, export_package
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[str, Any]:
+    check_options(cfg)
     device = pick_device(cfg.device)
     dm = make_datamodule(cfg.data)
     module, weights = _load_or_train(cfg)

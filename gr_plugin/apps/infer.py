@@ -27,15 +27,43 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalNormalizedDCG
 from tqdm import tqdm
 
 from gr_plugin.apps import train as train_app
-from gr_plugin.apps.common import load_module, make_cache, make_datamodule, model_dtype, pick_device, resolve_backend
+from gr_plugin.apps.common import (
+    cache_namespace,
+    load_module,
+    make_cache,
+    make_datamodule,
+    model_dtype,
+    pick_device,
+    resolve_backend,
+)
 from gr_plugin.configs.schema import InferConfig, TrainConfig, WeightsConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.lightning import HSTURankingModule
 
 logger = logging.getLogger(__name__)
 
+STAGES = ("predict", "test", "val")
+
+
+def check_options(cfg: InferConfig) -> None:
+    """Refuse a bad ``stage`` or ``max_batches`` before any expensive work."""
+    if cfg.stage not in STAGES:
+        raise ValueError(f"stage must be one of {list(STAGES)}, got {cfg.stage!r}")
+    if cfg.max_batches is not None and cfg.max_batches < 1:
+        raise ValueError(f"max_batches must be a positive int or null (every batch), got {cfg.max_batches!r}")
+
 
 def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
+    """The model's weights and a description of them. Also salts ``cfg.kvcache.namespace`` with the
+    weights' fingerprint (`cache_namespace`), so every cache made from ``cfg`` afterwards (infer,
+    export, serve) holds these weights' K/V only."""
+    module, weights = _find_weights(cfg)
+    if cfg.kvcache is not None:
+        cfg.kvcache = dataclasses.replace(cfg.kvcache, namespace=cache_namespace(cfg.kvcache.namespace, module))
+    return module, weights
+
+
+def _find_weights(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
     if cfg.ckpt_path:
         return load_module(cfg.ckpt_path, cfg.model), f"checkpoint {cfg.ckpt_path}"
     if Path(cfg.default_ckpt).is_file():
@@ -51,7 +79,7 @@ def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
         ckpt_out=cfg.default_ckpt,
     )
     tcfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(base), cfg.train))
-    logger.warning("no checkpoint at %s: training the default model first (%d steps); "
+    logger.warning("no checkpoint at %s: training this model first (%d steps); "
                    "later runs reuse it", cfg.default_ckpt, tcfg.trainer.max_steps)
     out = train_app.run(tcfg)
     desc = f"trained now ({tcfg.trainer.max_steps} steps) -> {out['checkpoint']}"
@@ -71,6 +99,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
+    check_options(cfg)
     L.seed_everything(cfg.seed)
     device = pick_device(cfg.device)
     dm = make_datamodule(cfg.data)
@@ -147,6 +176,7 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "weights": weights, "device": str(device), "dtype": cfg.dtype, "kvcache": engine_name,
         "kvcache_option": None if cfg.kvcache is None else cfg.kvcache.backend,
+        "kvcache_namespace": None if cache is None else cfg.kvcache.namespace,
         "batches": len(rows), "requests": sum(r["users"] for r in rows),
         "returning_batches": sum(r["returning"] for r in rows), **quality,
     }
@@ -249,6 +279,7 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [
         ("weights", f("weights")),
         ("device / kvcache", f"{f('device')} / {f('kvcache')} (option {f('kvcache_option')})"),
+        ("kvcache namespace", f("kvcache_namespace")),
         ("requests (batches, returning batches)", f"{f('requests')} ({f('batches')}, {f('returning_batches')})"),
         ("hit rate: all / device / host / ssd / remote",
          f"{f('hit_rate', '{:.1%}')} / {f('hit_rate_device', '{:.1%}')} / {f('hit_rate_host', '{:.1%}')} / "

@@ -1,6 +1,7 @@
 """``recipes.train``: train the HSTU ranker with Lightning and write a checkpoint.
 
-Validation runs through `KVCacheCallback` when a ``kvcache`` option is given (``+kvcache=...``).
+Validation runs through `KVCacheCallback` when a ``kvcache`` option is given (``+kvcache=...``);
+``validate=false`` skips it (no validation batch runs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def run(cfg: TrainConfig, *, enable_checkpointing: bool = False, logger_dir: str
     module = HSTURankingModule(cfg.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     callbacks = [cb for cb in (make_callback(cfg.kvcache),) if cb is not None]
     loggers = L.pytorch.loggers.CSVLogger(logger_dir) if logger_dir else False
-    trainer = make_trainer(cfg.trainer, callbacks, enable_checkpointing=enable_checkpointing, logger=loggers)
+    no_val = {} if cfg.validate else {"limit_val_batches": 0}
+    trainer = make_trainer(cfg.trainer, callbacks, enable_checkpointing=enable_checkpointing, logger=loggers, **no_val)
     trainer.fit(module, datamodule=dm)
     out = Path(cfg.ckpt_out)
     out.parent.mkdir(parents=True, exist_ok=True)

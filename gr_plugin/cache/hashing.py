@@ -13,12 +13,19 @@ Token rows are int64 ``[N]`` or ``[N, F]`` (F features per token, e.g. item id, 
 all of them go into the hash, so a history that differs in any feature never matches.
 The C++ core (``gr_plugin/csrc/core``) computes the same digests through the system's libxxhash;
 digests cross that boundary as int64 ``[n, 2]`` (low, high) tensors (`to_pairs` / `from_pairs`).
+K/V also depend on the weights that computed them: `weights_namespace` salts a namespace with a
+fingerprint of the model's weights and config (`weights_fingerprint`), so a cache shared across
+processes (SSD, Redis) never serves one model's K/V to another.
 This module does not decide what is cached.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import xxhash
@@ -59,6 +66,30 @@ def page_digests(tokens: torch.Tensor, start: int, length: int, page_size: int, 
 def namespace_seed(namespace: str) -> int:
     """64-bit seed derived from a namespace (model/version salt)."""
     return xxhash.xxh3_64_intdigest(namespace.encode("utf-8"))
+
+
+def weights_fingerprint(state: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> str:
+    """16 hex digits of a sha256 over ``config`` (JSON, keys sorted) and every entry of ``state``
+    (a ``state_dict``: name, dtype, shape and bytes of each tensor, in name order): equal weights
+    give equal fingerprints in any process, on any device."""
+    h = hashlib.sha256(json.dumps(dict(config or {}), sort_keys=True, default=str).encode())
+    for name in sorted(state):
+        value = state[name]
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        else:
+            h.update(f"\0{name}\0{value!r}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def weights_namespace(salt: str, fingerprint: str) -> str:
+    """The namespace of K/V computed by the weights with ``fingerprint``: the user's ``salt``
+    (e.g. ``kvcache.namespace``), then ``:w`` and the fingerprint (a ``salt`` that already ends so
+    is returned as is)."""
+    suffix = f":w{fingerprint}"
+    return salt if salt.endswith(suffix) else salt + suffix
 
 
 def row_bytes(tokens: torch.Tensor) -> int:

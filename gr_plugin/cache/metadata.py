@@ -58,6 +58,10 @@ class PagedBatchMetadata:
         target = buffer.device if device is None else torch.device(device)
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
+        elif target.type == "cpu":
+            # NOTE: torch puts ``cpu:N`` tensors on ``cpu``, and ``cpu != cpu:0``: without this, a host
+            # buffer would be "moved" to the CPU through pinned memory and CUDA calls
+            target = torch.device("cpu")
         self._host = buffer
         self._device = target
         self._buffer = buffer if buffer.device == target else None

@@ -1,0 +1,94 @@
+"""The recipes' options as a user writes them: bad values fail early and name the value; ``cpu:N``;
+``validate=false``; one default checkpoint per model; a train sweep's jobs keep their checkpoints apart."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import gr_plugin.configs.schema
+import gr_plugin.configs.serve  # noqa: F401
+from gr_plugin.apps import infer
+from gr_plugin.apps import train as train_app
+from gr_plugin.cache.metadata import build_metadata
+from gr_plugin.configs.kvcache import KVCacheOptions
+from gr_plugin.configs.schema import TrainConfig, TrainerOptions
+from tests.apps.test_infer import tiny_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = str(ROOT / "conf")
+TINY_SYNTHETIC = ["model=hstu_tiny", "model.num_items=60", "model.max_positions=256", "data=synthetic",
+                  "data.source_kwargs.num_users=8", "data.source_kwargs.min_len=10", "data.source_kwargs.max_len=40",
+                  "data.source_kwargs.num_items=60", "data.num_candidates=8", "data.max_visit_len=8",
+                  "data.batch_size=4", "data.max_history_len=64"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (dict(stage="valid"), r"stage must be one of \['predict', 'test', 'val'\], got 'valid'"),
+    (dict(max_batches=0), r"max_batches must be a positive int or null \(every batch\), got 0"),
+    (dict(max_batches=-2), r"max_batches .* got -2"),
+])
+def test_bad_run_options_fail_before_any_work(tmp_path, monkeypatch, overrides, error):
+    def no_work(*args, **kwargs):
+        raise AssertionError("data or weights were loaded before the options were checked")
+
+    monkeypatch.setattr(infer, "make_datamodule", no_work)
+    monkeypatch.setattr(infer, "_load_or_train", no_work)
+    with pytest.raises(ValueError, match=error):
+        infer.run(tiny_cfg(tmp_path, **overrides), tmp_path / "out")
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1"])
+def test_a_cpu_device_with_an_index_is_the_cpu(tmp_path, device):
+    meta = build_metadata([[0, 1]], [0], [5], 4, torch.device(device))
+    assert meta.buffer.device.type == "cpu" and meta.new_token_slots.tolist() == [0, 1, 2, 3, 4]
+    opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002)
+    summary = infer.run(tiny_cfg(tmp_path, opts, device=device, max_batches=6), tmp_path / "out")
+    assert summary["equivalence"] == "PASS" and summary["hit_rate"] > 0
+
+
+def test_validate_false_runs_no_validation(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path)
+    seen, step = [], train_app.HSTURankingModule.validation_step
+    monkeypatch.setattr(train_app.HSTURankingModule, "validation_step",
+                        lambda self, *a, **k: seen.append(1) or step(self, *a, **k))
+    tcfg = TrainConfig(model=cfg.model, data=cfg.data, validate=False, ckpt_out=str(tmp_path / "t.ckpt"),
+                       trainer=TrainerOptions(max_steps=2, limit_train_batches=2, limit_val_batches=2,
+                                              enable_progress_bar=False))
+    out = train_app.run(tcfg)
+    assert seen == [] and Path(out["checkpoint"]).is_file()
+    train_app.run(TrainConfig(**{**vars(tcfg), "validate": True}))
+    assert seen  # (the spy sees validation when it runs)
+
+
+def _compose(name, overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name=name, overrides=overrides))
+
+
+def test_the_default_checkpoint_is_one_per_model():
+    paths = {m: _compose("infer", [f"model={m}"]).default_ckpt for m in ("hstu_small", "hstu_tiny", "hstu_large")}
+    assert len(set(paths.values())) == 3
+    for name in ("train", "export", "serve"):  # what train writes is what the others read, per model
+        for m, path in paths.items():
+            cfg = _compose(name, [f"model={m}"])
+            assert (cfg.ckpt_out if name == "train" else cfg.default_ckpt) == path
+
+
+def test_a_train_sweep_writes_one_checkpoint_per_job(tmp_path):
+    cmd = [sys.executable, "-m", "recipes.train", "-m", *TINY_SYNTHETIC, "lr=1e-3,5e-3", "trainer.max_steps=1",
+           "trainer.limit_train_batches=1", "validate=false", "trainer.enable_progress_bar=false",
+           f"hydra.sweep.dir={tmp_path}/sweep", "hydra/job_logging=disabled"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = [ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if ln.startswith("checkpoint: ")]
+    assert len(written) == 2 and written[0] != written[1], out.stdout
+    for job, path in enumerate(written):
+        assert Path(path).parent == tmp_path / "sweep" / str(job) and Path(path).is_file()
+    assert not (tmp_path / "outputs").exists()  # the default checkpoint, what recipes.infer loads, is untouched
