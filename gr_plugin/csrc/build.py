@@ -2,13 +2,14 @@
 
 Owns where the shared library is built and how it is loaded: ``load_library()`` compiles it once
 (ninja, ``-O2``, one translation unit, no Python bindings) into a build directory keyed by the torch
-version, reuses it while the sources and flags are unchanged, and loads it into the process, which
-defines the ``gr_kv`` op schemas and their CPU kernels. ``library_path()`` is the ``.so`` a C++ program
-``dlopen``s to get the same ops (next to libtorch). It does not own the ops' Python registrations
-(fake and CUDA kernels: `gr_plugin.ops.library`).
+version, the sources' content and the checkout's location (`gr_plugin.csrc.build_lock.build_key`: each
+checkout keeps its own build), reuses it while the sources and flags are unchanged, and loads it into
+the process, which defines the ``gr_kv`` op schemas and their CPU kernels. ``library_path()`` is the
+``.so`` a C++ program ``dlopen``s to get the same ops (next to libtorch). It does not own the ops'
+Python registrations (fake and CUDA kernels: `gr_plugin.ops.library`).
 
 ``python -m gr_plugin.csrc.build`` builds it and prints the path (``scripts/setup.sh`` calls it);
-``GR_PLUGIN_BUILD_DIR`` overrides the build directory (default ``~/.cache/gr_plugin/ops``).
+``GR_PLUGIN_BUILD_DIR`` overrides the root of the build directories (default ``~/.cache/gr_plugin/ops``).
 
 Processes that build or load the same directory take turns (`gr_plugin.csrc.build_lock`: an flock,
 under which a build lock left by a killed build is removed instead of waited on forever).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from gr_plugin.csrc.build_lock import build_turn
+from gr_plugin.csrc.build_lock import build_key, build_turn
 from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
 
 NAME = "gr_kv_ops"
-SOURCES = (Path(__file__).with_name("gr_kv_ops.cpp"),)
+SOURCES = (Path(__file__).resolve().with_name("gr_kv_ops.cpp"),)  # resolved: the paths build_key keys on
 CFLAGS = ("-O2", "-fopenmp")
 # NOTE: --as-needed drops libtorch_python (cpp_extension always adds it; nothing here uses it), so a C++
 # program without libpython can load the library.
@@ -44,9 +44,9 @@ def build_directory() -> Path:
     """Per torch build and Python ABI: a library built against another torch must not be loaded."""
     root = os.environ.get("GR_PLUGIN_BUILD_DIR") or Path.home() / ".cache" / "gr_plugin" / "ops"
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    # NOTE: and per source set: checkouts with other sources must not rebuild each other's library.
-    digest = hashlib.sha256(b"".join(Path(f).read_bytes() for f in SOURCES)).hexdigest()[:12]
-    return Path(root) / f"{tag}-{digest}"
+    # NOTE: and per source content and location: checkouts (same sources or not) must not rebuild each
+    # other's library (build.ninja holds absolute paths).
+    return Path(root) / f"{tag}-{build_key(SOURCES)}"
 
 
 @functools.cache
@@ -63,7 +63,7 @@ def load_library(verbose: bool = False) -> str:
     # torch.ops.load_library; its static TORCH_LIBRARY blocks register the ops. The same file serves
     # a C++ program, which needs no Python to load it.
     try:
-        with build_turn(directory):
+        with build_turn(directory, directory / f"{NAME}.so"):
             cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
                                extra_ldflags=[*LDFLAGS, *libstdcxx_ldflags()], build_directory=str(directory),
                                is_python_module=False, verbose=verbose)

@@ -10,14 +10,15 @@ rebuilds only when a source or a flag changes. ``python -m gr_plugin.csrc.core.b
 libxxhash: when the system library is found (``ctypes.util.find_library("xxhash")``, or the file
 named by ``GR_KV_XXHASH_LIB``) the core links it and hashes token rows itself; otherwise (or with
 ``GR_KV_XXHASH=0``) it is built without and callers pass digests computed by Python's ``xxhash``.
-``GR_KV_CORE_BUILD_DIR`` overrides the build directory.
+The build directory is keyed by the torch version, the sources' content and the checkout's location
+(`gr_plugin.csrc.build_lock.build_key`: each checkout keeps its own build); ``GR_KV_CORE_BUILD_DIR``
+overrides its root (default ``~/.cache/gr_plugin/torch_extensions``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes.util
-import hashlib
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gr_plugin.csrc.build_lock import build_turn
+from gr_plugin.csrc.build_lock import build_key, build_turn
 from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,11 @@ def build_directory(with_xxhash: bool) -> Path:
     root = os.environ.get("GR_KV_CORE_BUILD_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "gr_plugin" / "torch_extensions"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    # NOTE: and per source set: checkouts with other sources (a worktree, a CI clone) must not
-    # rebuild each other's library under a running process.
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:12]
-    return base / f"{NAME}-{tag}-{digest}{'' if with_xxhash else '-noxxhash'}"
+    # NOTE: and per source content (headers too) and location: checkouts (a worktree, a CI clone; the same
+    # sources or not) must not rebuild each other's library under a running process (build.ninja holds
+    # absolute paths).
+    key = build_key(sorted(SOURCE_DIR.glob("*.[ch]*")))
+    return base / f"{NAME}-{tag}-{key}{'' if with_xxhash else '-noxxhash'}"
 
 
 def loaded() -> bool:
@@ -92,9 +94,11 @@ def load(verbose: bool = False) -> str:
         build_dir = build_directory(lib is not None)
         build_dir.mkdir(parents=True, exist_ok=True)
         _ensure_ninja()
-        with build_turn(build_dir):  # (a build killed inside load() no longer hangs later ones)
+        name = NAME if lib else f"{NAME}_noxxhash"
+        # (a build killed inside load() no longer hangs later ones)
+        with build_turn(build_dir, build_dir / f"{name}.so"):
             path = cpp_extension.load(
-                name=NAME if lib else f"{NAME}_noxxhash",
+                name=name,
                 sources=[str(SOURCE_DIR / s) for s in SOURCES],
                 extra_cflags=cflags,
                 extra_ldflags=ldflags,
