@@ -91,6 +91,8 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
     if backend is None:
         return None
     tiers = tier_config(opts) if backend == "flexkv" else None
+    if backend == "native" and not opts.host_cache_gb >= 0:
+        raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
     host_gb = {"gpu": 0.0, "native": opts.host_cache_gb}.get(backend, tiers.cpu_cache_gb if tiers else 0.0)
     cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                         page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or DTYPE_NAMES[dtype],

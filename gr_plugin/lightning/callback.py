@@ -44,10 +44,11 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
-from gr_plugin.cache.config import DTYPE_NAMES
+from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
+from gr_plugin.modules.kv_cache import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,18 @@ class KVCacheCallback(Callback):
         for s in stages:
             if s not in _STAGES:
                 raise ValueError(f"KVCacheCallback stage {s!r} is not one of {list(_STAGES)}")
+        # (checked here, not at the first batch of a trainer call: `KVCacheConfig` checks them again)
+        if backend not in BACKENDS:
+            raise ValueError(f"KVCacheCallback backend must be one of {list(BACKENDS)}, got {backend!r}")
+        for name, value in (("page_size", page_size), ("num_pages", num_pages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVCacheCallback {name} must be a positive int, got {value!r}")
+        if isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, int | float) or not host_cache_gb >= 0:
+            raise ValueError(f"KVCacheCallback host_cache_gb must be a number >= 0, got {host_cache_gb!r}")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"KVCacheCallback dtype must be None or one of {sorted(DTYPES)}, got {dtype!r}")
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"KVCacheCallback namespace must be a non-empty str, got {namespace!r}")
         self.backend, self.page_size, self.num_pages = backend, page_size, num_pages
         self.host_cache_gb, self.dtype, self.namespace = host_cache_gb, dtype, namespace
         self.write_through, self.stages, self.tiers = write_through, tuple(stages), tiers

@@ -92,3 +92,13 @@ def test_a_train_sweep_writes_one_checkpoint_per_job(tmp_path):
     for job, path in enumerate(written):
         assert Path(path).parent == tmp_path / "sweep" / str(job) and Path(path).is_file()
     assert not (tmp_path / "outputs").exists()  # the default checkpoint, what recipes.infer loads, is untouched
+
+
+def test_a_negative_host_cache_is_refused_by_its_option_name():
+    from gr_plugin.apps.common import make_cache
+    from gr_plugin.modules.hstu import HSTUConfig
+
+    opts = KVCacheOptions(backend="native", page_size=4, num_pages=8, host_cache_gb=-1.0)
+    with pytest.raises(ValueError, match=r"kvcache.host_cache_gb must be >= 0, got -1.0"):
+        make_cache(opts, HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2, head_dim=8), torch.device("cpu"),
+                   torch.float32)

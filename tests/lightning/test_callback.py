@@ -409,3 +409,17 @@ def test_an_explicit_cache_dtype_that_is_not_what_the_model_computes_is_refused_
         _predict(module, dm, [cb])
     cb.cache.manager.check()
     assert cb.cache.manager.stats()["plans_in_flight"] == 0 and cb.cache.manager.stats()["device_users"] == 0
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(backend="natve"), r"backend must be one of \['gpu', 'native', 'flexkv'\], got 'natve'"),
+    (dict(page_size=0), r"page_size must be a positive int, got 0"),
+    (dict(num_pages=12.5), r"num_pages must be a positive int, got 12.5"),
+    (dict(host_cache_gb=-1), r"host_cache_gb must be a number >= 0, got -1"),
+    (dict(dtype="fp16"), r"dtype must be None or one of .*got 'fp16'"),
+    (dict(namespace=""), r"namespace must be a non-empty str, got ''"),
+])
+def test_bad_arguments_are_refused_when_the_callback_is_made(kwargs, error):
+    """A bad argument fails where the user wrote it, not at the first batch of a later trainer call."""
+    with pytest.raises(ValueError, match=error):
+        KVCacheCallback(**kwargs)
