@@ -17,7 +17,7 @@ import torch
 
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
-from gr_plugin.cache.hashing import weights_fingerprint, weights_namespace
+from gr_plugin.cache.hashing import module_namespace
 from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
@@ -106,7 +106,7 @@ def cache_namespace(salt: str, module: HSTURankingModule) -> str:
     tier shared across processes (SSD, Redis). Logged."""
     t0 = time.perf_counter()
     model = module.model
-    namespace = weights_namespace(salt, weights_fingerprint(model.state_dict(), dataclasses.asdict(model.config)))
+    namespace = module_namespace(salt, model, dataclasses.asdict(model.config))
     logger.info("kvcache namespace %r (kvcache.namespace %r + the weights' fingerprint, %.2f s)", namespace, salt,
                 time.perf_counter() - t0)
     return namespace

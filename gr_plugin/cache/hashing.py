@@ -84,6 +84,11 @@ def weights_fingerprint(state: Mapping[str, Any], config: Mapping[str, Any] | No
     return h.hexdigest()[:16]
 
 
+def module_namespace(salt: str, module: torch.nn.Module, config: Mapping[str, Any] | None = None) -> str:
+    """`weights_namespace` of ``module``'s ``state_dict`` and ``config``: the namespace its K/V go under."""
+    return weights_namespace(salt, weights_fingerprint(module.state_dict(), config))
+
+
 def weights_namespace(salt: str, fingerprint: str) -> str:
     """The namespace of K/V computed by the weights with ``fingerprint``: the user's ``salt``
     (e.g. ``kvcache.namespace``), then ``:w`` and the fingerprint (a ``salt`` that already ends so

@@ -58,7 +58,8 @@ class ServeConfig(WeightsConfig):
     ``cuda_graphs``: on a GPU, replay the cached layer stack as CUDA graphs per shape bucket
     (`gr_plugin.modules.graphs`), or without a cache the full passes (`gr_plugin.modules.full_graphs`);
     ignored on a CPU.
-    Replicas that share a Redis tier must use one ``kvcache.namespace`` per model version."""
+    Replicas that share a Redis tier share pages where their weights are equal: the namespace they use is
+    ``kvcache.namespace`` salted with a fingerprint of the weights (`gr_plugin.apps.common.cache_namespace`)."""
 
     dtype: str = "float32"  # the replica's weights and activations: float32 | bfloat16 | float16
     cuda_graphs: bool = True

@@ -12,14 +12,13 @@ replay CUDA graphs of their shape buckets (``cuda_graphs``, `CachedStackGraphs`)
 engine does: the eager cached pass is bound by the host's kernel launches there. The sanity check's
 batches are forgotten.
 
-K/V of older weights are never read: a validate / test / predict loop starts on an empty device cache
-under a new namespace (``<namespace>@step<global_step>-<random>``) when the weights may have
-changed since the cache was last used: a training step ran (so each validation during ``fit``, and
-any call after it), Lightning loaded a checkpoint (``ckpt_path``), `close` was called, or a parameter
-of the model was replaced or written in place (another model object, ``load_state_dict``, an
-optimizer step outside Lightning), as the parameters' identities and version counters say at the
-loop's start (a fused optimizer's step bumps no version counter: call `close` after one outside
-Lightning). Unchanged weights keep their K/V across trainer calls and Lightning's device moves.
+K/V of older weights are never read: the cache's namespace is ``namespace`` salted with a fingerprint of
+the model's weights and config (`gr_plugin.cache.hashing.module_namespace`, the recipes' rule), taken at
+each validate / test / predict loop's start. Weights changed since the last loop (a training step, a
+checkpoint loaded with ``ckpt_path``, ``load_state_dict``, writes through ``.data``, a fused optimizer's
+step) give another namespace, and the loop starts on an empty device cache; the lower tiers keep the
+other namespaces' pages, which no key of the new one reaches. Unchanged weights keep their K/V across
+trainer calls, Lightning's device moves and processes (DDP ranks, a shared remote tier).
 
 A validation's graphs are dropped at its end during ``fit`` (their memory goes back to training); as
 Lightning moves the module off the device between trainer calls, each call captures its graphs
@@ -33,9 +32,9 @@ The LightningModule must expose ``model`` (an `HSTURanker`). Before each batch t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
-import uuid
 from typing import Any
 
 import lightning as L
@@ -45,6 +44,7 @@ from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
+from gr_plugin.cache.hashing import module_namespace
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
@@ -65,7 +65,8 @@ class KVCacheCallback(Callback):
         page_size, num_pages: device pages; host_cache_gb: the host tier's capacity.
         dtype: cache dtype (default: the dtype the model computes K/V in: the autocast dtype under a
             mixed-precision trainer, ``precision="bf16-mixed"`` or ``"16-mixed"``, else the parameters').
-        namespace: identity salt (model name/version).
+        namespace: identity salt (e.g. a model name); the cache's namespace adds a fingerprint of the
+            weights (see the module's docstring).
         stages: which of validate/test/predict use the cache.
         cuda_graphs: on CUDA, replay the cached steps as CUDA graphs per shape bucket where the model
             supports it (`CachedStackGraphs.supported`); each bucket is captured the second time its
@@ -99,9 +100,7 @@ class KVCacheCallback(Callback):
         self.cache: KVCacheModule | None = None
         self.engine: RankingEngine | None = None
         self._weights: tuple[int, ...] = ()  # the addresses the engine's graphs read the weights at
-        self._cache_namespace = namespace  # the namespace of the weights the cache's K/V come from
-        self._params: tuple[tuple[int, int], ...] | None = None  # `_params_key` when the cache was last used
-        self._stale = False  # the weights may have changed since the cache was last used (training, `close`)
+        self._cache_namespace = namespace  # the namespace of the weights the cache's K/V come from (`_attach`)
         self.metrics: dict[str, dict[str, float]] = {}
         self._fallbacks = 0
         self._epoch_start: dict[str, Any] = {}
@@ -145,17 +144,24 @@ class KVCacheCallback(Callback):
             return
         model = pl_module.model
         dtype = self._kv_dtype(trainer, pl_module, stage)
+        # NOTE: at every loop's start, not only after the hooks that change weights: a load_state_dict by
+        # hand, a write through ``.data`` or a fused optimizer's step shows in no hook or version counter.
+        # (A few ms for these models: `apps.common.cache_namespace` logs the time.)
+        namespace = module_namespace(self.namespace, model, dataclasses.asdict(model.config))
         if (self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device
                 or self.cache.config.dtype != dtype or self.engine is None or self.engine.model is not model):
             # NOTE: another model (e.g. loaded from a checkpoint) has other weights, and another precision
             # other K/V: its users' K/V start empty, the new engine's graphs take a scratch page of the new cache.
             self.close()  # (the old cache's memory, threads, SSD directory lock and connections first)
+            self._cache_namespace = namespace
             self.cache = self._build(pl_module, dtype)
             self.engine = RankingEngine(model, self.cache, self.cache.kv_table.device, cuda_graphs=self.cuda_graphs)
-        params = _params_key(model)
-        if self._stale or trainer.ckpt_path is not None or (self._params is not None and self._params != params):
-            self._new_weights(trainer)
-        self._params, self._stale = params, False
+        if namespace != self._cache_namespace:
+            logger.info("KV cache: the weights changed, namespace %r (was %r); device pages dropped", namespace,
+                        self._cache_namespace)
+            self.cache.manager.evict_all()  # (the lower tiers' keys hold the namespace: never reached now)
+            self.cache.manager.set_namespace(namespace)
+            self._cache_namespace = namespace
         if self.engine.graphs is not None:
             weights = tuple(t.data_ptr() for t in model.state_dict(keep_vars=True).values())
             if weights != self._weights:
@@ -171,15 +177,6 @@ class KVCacheCallback(Callback):
             object.__setattr__(pl_module, name, value)
         self._epoch_start[stage] = self._snapshot()
 
-    def _new_weights(self, trainer: L.Trainer) -> None:
-        """The weights may have changed: drop the device's pages and switch to a namespace never used
-        before, so no K/V of older weights are read, here or by a process sharing the remote tier. The
-        lower tiers keep the old namespace's pages (never read again; their LRU reclaims them): clearing
-        the remote tier would delete every process's pages under its key prefix."""
-        self.cache.manager.evict_all()
-        self._cache_namespace = f"{self.namespace}@step{trainer.global_step}-{uuid.uuid4().hex[:8]}"
-        self.cache.manager.set_namespace(self._cache_namespace)
-
     def _snapshot(self) -> dict[str, Any]:
         stats = self.cache.manager.stats()
         return {k: v for k, v in stats.items() if isinstance(v, int | float)} | {"fallbacks": self._fallbacks}
@@ -187,14 +184,13 @@ class KVCacheCallback(Callback):
     def close(self) -> None:
         """Let go of the cache and its engine: graphs dropped, copies drained, tiers closed (threads
         stopped, the SSD directory unlocked), memory freed. A later trainer call builds a new cache
-        (users' K/V start empty, under a new namespace). Call it when done with the callback, e.g. before
+        (users' K/V start empty on the device). Call it when done with the callback, e.g. before
         another process or callback uses the same ``ssd_cache_dir``."""
         if self.cache is not None:
             self._drop_graphs()
             self.cache.manager.close()
             self.cache = self.engine = None
             self._weights = ()
-            self._stale = True  # (the remote tier keeps its pages: the next cache must not read them)
             gc.collect()  # NOTE: the manager sits in reference cycles: free its tables now, not at a later GC
 
     def _drop_graphs(self) -> None:
@@ -259,12 +255,6 @@ class KVCacheCallback(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        # NOTE: a hook, not only the parameters' versions: fused optimizers update them in place
-        # without bumping their version counters.
-        self._stale = True
-
-    @override
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._attach(trainer, pl_module, "validate")
 
@@ -319,8 +309,8 @@ class KVCacheCallback(Callback):
 
     @override
     def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.cache is not None:
-            self.cache.manager.evict_all(all_tiers=True)
+        if self.cache is not None:  # (the device's pages only: the remote tier is shared with other processes)
+            self.cache.manager.evict_all()
         self.metrics.pop("validate", None)
 
     @override
@@ -349,10 +339,3 @@ class KVCacheCallback(Callback):
         self.metrics = dict(state_dict.get("metrics", {}))
         self._fallbacks = int(state_dict.get("fallbacks", 0))
 
-
-def _params_key(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """Each parameter's identity and version counter: an in-place write (``load_state_dict``'s
-    ``copy_``, a non-fused optimizer step) bumps the version, a replaced parameter (``assign=True``,
-    another model) has another identity; Lightning's device moves (``Module.to`` sets ``.data``) keep
-    both. Buffers are left out: a device move replaces them."""
-    return tuple((id(p), p._version) for p in model.parameters())

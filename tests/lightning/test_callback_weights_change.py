@@ -1,10 +1,14 @@
 """KVCacheCallback when the weights change between uses of its cache (training, a ``ckpt_path`` load,
-a ``load_state_dict`` by hand): K/V of older weights are never read; unchanged weights keep theirs."""
+a ``load_state_dict`` by hand, writes through ``.data``, a fused optimizer's step): K/V of older weights are
+never read; unchanged weights keep theirs, in another callback too (another process, a DDP rank)."""
+
+import dataclasses
 
 import lightning as L
 import pytest
 import torch
 
+from gr_plugin.cache.hashing import module_namespace
 from gr_plugin.lightning import KVCacheCallback
 from tests.lightning.helpers import ranking_setup
 
@@ -93,20 +97,48 @@ def test_repeated_predicts_with_unchanged_weights_hit_the_cache():
     first_rate, namespace = cb.metrics["predict"]["hit_rate"], cb.cache.manager.namespace
     again = _predict(_trainer([cb]), module, dm)  # (another trainer, the same callback)
     assert cb.metrics["predict"]["hit_rate"] > max(first_rate, 0.5)  # the first call's K/V are read
-    assert cb.cache.manager.namespace == namespace == "gr_plugin"
+    assert cb.cache.manager.namespace == namespace == _namespace(module)
     assert (first - plain).abs().max() <= 1e-5 and (again - plain).abs().max() <= 1e-5
 
 
-def test_close_after_a_fused_optimizer_step_by_hand():
-    """A fused step bumps no version counter: `close` (as documented) makes the next call start empty,
-    under a new namespace (no tier, the remote one included, serves the older K/V)."""
+def _namespace(module):
+    return module_namespace("gr_plugin", module.model, dataclasses.asdict(module.model.config))
+
+
+@pytest.mark.parametrize("how", ["fused_step", "data_copy", "data_assign"])
+def test_weights_changed_outside_every_hook_are_seen(how):
+    """A fused optimizer's step and writes through ``.data`` bump no version counter and run no hook: the
+    fingerprint taken at the loop's start sees them."""
     dm, module = ranking_setup(6)
+    _, other = ranking_setup(7)
     cb = _callback()
     t = _trainer([cb])
     _predict(t, module, dm)
-    for p in module.parameters():
-        p.grad = torch.ones_like(p)
-    torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True).step()
-    cb.close()
+    before = cb.cache.manager.namespace
+    if how == "fused_step":
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True).step()
+    else:
+        for p, q in zip(module.parameters(), other.parameters(), strict=True):
+            if how == "data_copy":
+                p.data.copy_(q.data)
+            else:
+                p.data = q.data.clone()
     assert (_predict(t, module, dm) - _predict(_trainer(), module, dm)).abs().max() <= 1e-5
-    assert cb.cache.manager.namespace.startswith("gr_plugin@step0-")
+    assert cb.cache.manager.namespace == _namespace(module) != before
+
+
+def test_callbacks_with_equal_weights_share_a_namespace_and_others_do_not():
+    """The namespace is the weights' (as the recipes'): another callback, e.g. another process or DDP rank
+    on a shared remote tier, with equal weights reads the same keys; with other weights, none of them."""
+    dm, module = ranking_setup(8)
+    _, twin = ranking_setup(8)
+    _, other = ranking_setup(9)
+    names = []
+    for m in (module, twin, other):
+        cb = _callback()
+        _predict(_trainer([cb]), m, dm)
+        names.append(cb.cache.manager.namespace)
+        cb.close()
+    assert names[0] == names[1] != names[2] and names[0].startswith("gr_plugin:w")

@@ -28,7 +28,7 @@ from gr_plugin.csrc.toolchain import libstdcxx_ldflags
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent
+SOURCE_DIR = Path(__file__).resolve().parent  # (resolved, as the library's sources: `build_lock.build_key`)
 NAME = "gr_runner"
 
 
