@@ -37,7 +37,8 @@ def pick_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r} is not a torch device") from exc
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
-    return device
+    # (torch puts ``cpu:N`` tensors on ``cpu``, and ``cpu != cpu:0``: one spelling, or every ``.to`` copies)
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def make_datamodule(opts: DataOptions) -> RecDataModule:

@@ -45,6 +45,9 @@ def test_bad_run_options_fail_before_any_work(tmp_path, monkeypatch, overrides, 
 
 @pytest.mark.parametrize("device", ["cpu:0", "cpu:1"])
 def test_a_cpu_device_with_an_index_is_the_cpu(tmp_path, device):
+    from gr_plugin.apps.common import pick_device
+
+    assert pick_device(device) == torch.device("cpu")  # (one spelling: no copies between cpu and cpu:N)
     meta = build_metadata([[0, 1]], [0], [5], 4, torch.device(device))
     assert meta.buffer.device.type == "cpu" and meta.new_token_slots.tolist() == [0, 1, 2, 3, 4]
     opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002)
