@@ -184,6 +184,10 @@ class RecDataModule(lightning.LightningDataModule):
         self.num_val_visits = num_val_visits
         self.num_test_visits = num_test_visits
         self.interleave_users: int = interleave_users or 4 * batch_size
+        if self.interleave_users < batch_size:
+            logger.warning("interleave_users=%d < batch_size=%d: a batch never holds a user twice, so replayed "
+                           "batches hold at most %d requests", self.interleave_users, batch_size,
+                           self.interleave_users)
         self.max_users = max_users
         self.max_history_len = max_history_len
         self.num_time_buckets = num_time_buckets

@@ -176,3 +176,13 @@ def test_lightning_validate(dm: RecDataModule) -> None:
     )
     trainer.validate(probe, datamodule=dm, verbose=False)
     assert probe.seen == sum(b.batch_size for _, b in zip(range(3), dm.val_dataloader()))
+
+
+def test_fewer_interleaved_users_than_a_batch_is_warned_about(synth: InteractionLog, caplog) -> None:
+    with caplog.at_level("WARNING", logger="gr_plugin.data.datamodule"):
+        RecDataModule(synth, **{**KW, "interleave_users": 4})
+    assert "interleave_users=4 < batch_size=8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gr_plugin.data.datamodule"):
+        RecDataModule(synth, **{**KW, "interleave_users": 8})
+    assert "interleave_users" not in caplog.text
