@@ -15,6 +15,13 @@ from gr_plugin.configs.kvcache import KVCacheOptions
 from gr_plugin.modules import HSTUConfig
 
 
+def default_checkpoint(data: DataOptions, model: HSTUConfig) -> str:
+    """The recipes' checkpoint where none is named: one per data source and model shape, what
+    ``recipes.train`` writes (``ckpt_out``) and ``recipes.infer`` / ``export`` / ``serve`` load (``default_ckpt``)."""
+    return (f"outputs/checkpoints/hstu-{data.source}-L{model.num_layers}-D{model.embedding_dim}"
+            f"-H{model.num_heads}x{model.head_dim}.ckpt")
+
+
 @dataclasses.dataclass
 class DataOptions:
     """`RecDataModule` arguments (see its docstring); ``source`` is ``ml-1m`` or ``synthetic``."""
@@ -65,8 +72,12 @@ class TrainConfig:
     lr: float = 2e-3
     weight_decay: float = 0.0
     seed: int = 0
-    ckpt_out: str = "outputs/checkpoints/hstu-ml1m.ckpt"
+    ckpt_out: str | None = None  # None: `default_checkpoint`
     validate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ckpt_out is None:
+            self.ckpt_out = default_checkpoint(self.data, self.model)
 
 
 @dataclasses.dataclass
@@ -80,10 +91,14 @@ class WeightsConfig:
     trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
     kvcache: KVCacheOptions | None = None
     ckpt_path: str | None = None
-    default_ckpt: str = "outputs/checkpoints/hstu-ml1m.ckpt"
+    default_ckpt: str | None = None  # None: `default_checkpoint`
     train_if_missing: bool = True
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.default_ckpt is None:
+            self.default_ckpt = default_checkpoint(self.data, self.model)
 
 
 @dataclasses.dataclass

@@ -105,3 +105,13 @@ def test_a_negative_host_cache_is_refused_by_its_option_name():
     with pytest.raises(ValueError, match=r"kvcache.host_cache_gb must be >= 0, got -1.0"):
         make_cache(opts, HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2, head_dim=8), torch.device("cpu"),
                    torch.float32)
+
+
+def test_configs_made_in_python_take_the_same_default_checkpoint():
+    from gr_plugin.configs.schema import InferConfig
+    from gr_plugin.modules.hstu import HSTUConfig
+
+    tiny = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, head_dim=8)
+    assert InferConfig(model=tiny).default_ckpt == TrainConfig(model=tiny).ckpt_out == \
+        "outputs/checkpoints/hstu-ml-1m-L2-D16-H2x8.ckpt"
+    assert TrainConfig(ckpt_out="x.ckpt").ckpt_out == "x.ckpt"
