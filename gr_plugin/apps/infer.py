@@ -42,7 +42,8 @@ from gr_plugin.lightning import HSTURankingModule
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("predict", "test", "val")
+_LOADERS = {"predict": "predict_dataloader", "test": "test_dataloader", "val": "val_dataloader"}  # stage: its loader
+STAGES = tuple(_LOADERS)
 
 
 def check_options(cfg: InferConfig) -> None:
@@ -115,7 +116,7 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
     cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
     engine_name = "none" if cache is None else resolve_backend(cfg.kvcache)
     dm.setup(cfg.stage)
-    loader = {"predict": dm.predict_dataloader, "test": dm.test_dataloader, "val": dm.val_dataloader}[cfg.stage]()
+    loader = getattr(dm, _LOADERS[cfg.stage])()
     # NOTE: on CUDA both passes replay CUDA graphs per shape bucket (``kvcache.cuda_graphs``): timed
     # side by side, the cached pass is not compared against a recompute slowed by its kernel launches.
     graphs = cfg.kvcache is not None and cfg.kvcache.cuda_graphs
