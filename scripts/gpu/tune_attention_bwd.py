@@ -1,11 +1,13 @@
 """Sweep the tiles of the jagged HSTU attention's Triton backward (`gr_plugin.ops.triton.hstu_attention_bwd`).
 
     python3 scripts/gpu/tune_attention_bwd.py [--dims 128 256] [--dtypes bf16 fp32] [--configs M,N,W,S ...]
+        [--fp32-dots tf32x3 ieee]
     python3 scripts/gpu/tune_attention_bwd.py --against OLD.py [--rounds 20]
 
 Per head_dim and dtype: bs 8 users of a 2048-event history + 256 candidates, 4 heads; the backward alone (both
 kernels) per config, ms (median of CUDA-event-timed calls), next to the torch reference's forward + backward
-and the Triton forward; one JSON line per row. A config that fails to compile (shared memory) is reported.
+and the Triton forward; one JSON line per row. A config that fails to compile (shared memory) is reported. fp32 runs
+once per ``--fp32-dots`` precision (`hstu_attention.dot_precision`), the row naming it.
 
 ``--against``: another version of the backward module (a file, e.g. ``git show REV:gr_plugin/ops/triton/
 hstu_attention_bwd.py``) timed beside this tree's at each dim's default tiles, in interleaved rounds (each first
@@ -82,22 +84,23 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=2048)
     ap.add_argument("--against", help="another backward module's file, timed beside this tree's")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--fp32-dots", nargs="+", default=[None], help="fp32 dot precisions (default FP32_DOTS)")
     args = ap.parse_args()
     if args.against:
         against(args.against, args.dims, args.rounds, args.bs, args.history)
         return
     cands, heads = 256, 4
     for dim in args.dims:
-        for name in args.dtypes:
+        for name, dots in ((n, d) for n in args.dtypes for d in (args.fp32_dots if n == "fp32" else [None])):
             dtype = DTYPES[name]
             lens = [args.history + cands] * args.bs
             offsets = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], device="cuda")
             nc = torch.full((args.bs,), cands, device="cuda")
             q, k, v, do = (torch.randn(sum(lens), heads, dim, device="cuda", dtype=dtype) for _ in range(4))
             kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
-            row = {"dim": dim, "dtype": name, "bs": args.bs, "history": args.history,
-                   "default": bwd.blocks(dim, dtype, q.device)}
-            forward_ms = time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, **kw), 10)
+            row = {"dim": dim, "dtype": name, "dots": fwd.dot_precision(dtype, dots), "bs": args.bs,
+                   "history": args.history, "default": bwd.blocks(dim, dtype, q.device)}
+            forward_ms = time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, fp32_dots=dots, **kw), 10)
             row["triton_forward_ms"] = round(forward_ms, 4)
 
             def reference():
@@ -112,8 +115,8 @@ def main() -> None:
             for cfg in args.configs:
                 tiles = tuple(int(x) for x in cfg.split(","))
                 try:
-                    ms = time_ms(lambda tiles=tiles: bwd.hstu_attention_jagged_backward(do, q, k, v, offsets, nc,
-                                                                                        tiles=tiles, **kw), 10)
+                    ms = time_ms(lambda tiles=tiles: bwd.hstu_attention_jagged_backward(
+                        do, q, k, v, offsets, nc, tiles=tiles, fp32_dots=dots, **kw), 10)
                     row[cfg] = round(ms, 4)
                 except Exception as e:  # (a config past the shared memory: reported, the sweep goes on)
                     row[cfg] = f"error: {type(e).__name__}: {str(e)[:80]}"

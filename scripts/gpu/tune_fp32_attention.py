@@ -1,13 +1,16 @@
 """Time the fp32 form of the Triton HSTU attention kernel over tile configs on the GPU (one device call).
 
-python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--configs M,N,W,S ...] [--out PATH]
+python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--configs M,N,W,S ...]
+    [--dots tf32x3 ieee ...] [--out PATH]
 
 The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `recipes.infer` runs at its default
 ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
 it took 2.29 ms a launch (docs/BENCHMARKS.md, "`recipes.infer` on the H200"). Each case runs the jagged (full pass)
 and the paged (cached step) form with every config of `CONFIGS`, the default's blocks (`_blocks`) first, and the
-pure-torch reference (cuBLAS, TF32 off) beside them; each row reports its output's max abs difference from the
-default's (``max_err``; the reference's from the default's in its own row).
+pure-torch reference (cuBLAS, TF32 off) beside them, once per ``--dots`` precision of the kernel's fp32 dots
+(`hstu_attention.dot_precision`; default `FP32_DOTS`); each row reports its output's max abs difference from the
+fp64 reference's (``err64``: the torch row's is the fp32 reference's own) and from the default tiles' at the same
+precision (``max_err``).
 Prints one JSON line per measurement (median ms of `triton.testing.do_bench`) and writes them to ``--out``.
 """
 
@@ -40,7 +43,7 @@ def jagged_case(bs, hist, dim, g):
     cands = torch.full((bs,), CANDS, device="cuda", dtype=torch.int64)
     kw = dict(alpha=dim ** -0.5, n_norm=N_NORM, max_seq_len=n)
     return ((lambda **launch: tri.hstu_attention_jagged(q, k, v, off, cands, **kw, **launch)),
-            (lambda: ref.hstu_attention_jagged(q, k, v, off, cands, **kw)))
+            (lambda t=torch.float32: ref.hstu_attention_jagged(q.to(t), k.to(t), v.to(t), off, cands, **kw)))
 
 
 def paged_case(bs, hist, new, dim, g):
@@ -56,7 +59,8 @@ def paged_case(bs, hist, new, dim, g):
     nl = torch.full((bs,), new, device="cuda", dtype=torch.int64)
     kw = dict(alpha=dim ** -0.5, n_norm=N_NORM, max_q_len=nq, max_history_len=hist, num_history_tokens=bs * hist)
     return ((lambda **launch: tri.paged_hstu_attention(q, k, v, kv, idx, indptr, hl, q_off, nl, **kw, **launch)),
-            (lambda: ref.paged_hstu_attention(q, k, v, kv, idx, indptr, hl, q_off, nl, **kw)))
+            (lambda t=torch.float32: ref.paged_hstu_attention(q.to(t), k.to(t), v.to(t), kv.to(t), idx, indptr, hl,
+                                                              q_off, nl, **kw)))
 
 
 def main() -> None:
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs="+", default=[128])
     ap.add_argument("--forms", nargs="+", default=["jagged", "paged"])
     ap.add_argument("--configs", nargs="+", default=None, help="BLOCK_M,BLOCK_N,warps,stages each (default CONFIGS)")
+    ap.add_argument("--dots", nargs="+", default=[None], help="fp32 dot precisions (default FP32_DOTS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else CONFIGS
@@ -73,33 +78,36 @@ def main() -> None:
     rows = []
     for dim, form in ((d, f) for d in args.dims for f in args.forms):
         for bs, hist, new in cases[form]:
-            rows += sweep(form, bs, hist, new, dim, g, configs)
+            rows += sweep(form, bs, hist, new, dim, g, configs, args.dots)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def sweep(form, bs, hist, new, dim, g, configs):
+def sweep(form, bs, hist, new, dim, g, configs, precisions):
     rows = []
     launch, torch_ref = jagged_case(bs, hist, dim, g) if form == "jagged" else paged_case(bs, hist, new, dim, g)
-    base = launch()
+    exact = torch_ref(torch.float64)
     want = torch_ref()
     head = dict(form=form, dim=dim, bs=bs, hist=hist, new=new)
-    row = dict(head, config="torch", ms=ms(torch_ref), max_err=(want - base).abs().max().item())
+    row = dict(head, config="torch", ms=ms(torch_ref), err64=(want.double() - exact).abs().max().item())
     rows.append(row)
     print(json.dumps(row), flush=True)
-    default = tri._blocks(dim, torch.float32, form == "paged", base.device)
-    for blocks in [None, *configs]:
-        name = f"default{default}" if blocks is None else str(blocks)
-        try:
-            fn = (lambda: launch()) if blocks is None else (lambda b=blocks: launch(blocks=b))
-            err = (fn() - base).abs().max().item()
-            row = dict(head, config=name, ms=ms(fn), max_err=err)
-        except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
-            msg = f"{type(exc).__name__}: {exc}"[:200]
-            row = dict(head, config=name, error=msg)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    default = tri._blocks(dim, torch.float32, form == "paged", exact.device)
+    for dots in precisions:
+        base = launch(fp32_dots=dots)
+        for blocks in [None, *configs]:
+            name = f"default{default}" if blocks is None else str(blocks)
+            given = dict(fp32_dots=dots) if blocks is None else dict(fp32_dots=dots, blocks=blocks)
+            row = dict(head, config=name, dots=tri.dot_precision(torch.float32, dots))
+            try:
+                out = launch(**given)
+                row.update(ms=ms(lambda: launch(**given)), max_err=(out - base).abs().max().item(),
+                           err64=(out.double() - exact).abs().max().item())
+            except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
+                row.update(error=f"{type(exc).__name__}: {exc}"[:200])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 

@@ -117,6 +117,43 @@ def test_interpreter_fp32_tiles_match_reference(which, dim, page_size, monkeypat
     torch.testing.assert_close(got, run(ref, which, args), rtol=0, atol=1e-5)
 
 
+def test_fp32_dot_precision_reaches_the_kernel_and_bad_ones_are_refused(monkeypatch):
+    """fp32 launches run their dots at `FP32_DOTS` ("tf32x3") or the launch's ``fp32_dots``; 16-bit ones
+    keep Triton's default; a precision outside `FP32_DOT_CHOICES` (given, or through GR_PLUGIN_FP32_DOTS)
+    is a ValueError naming it, raised before any launch."""
+    if torch.cuda.is_available():
+        pytest.skip("runs the kernel through the interpreter (CPU tensors)")
+    jag, paged = build([37, 0, 9], [3, 2, 1], [20, 0, 4], 8, 2, 16, torch.float32, "cpu")
+    took, real = [], tri._hstu_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                took.append(kw["DOTS"])
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(tri, "_hstu_fwd", Spy())
+    assert tri.FP32_DOTS == "tf32x3"
+    for which, args in (("jagged", jag), ("paged", paged)):
+        want = run(ref, which, args)
+        for given, dots in ((None, "tf32x3"), ("ieee", "ieee"), ("tf32", "tf32")):
+            took.clear()
+            got = run(tri, which, {**args, "fp32_dots": given})
+            assert took == [dots]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # (the interpreter's dots are fp32's)
+        took.clear()
+        run(tri, which, {**args, "fp32_dots": "ieee"}, torch.float16)
+        assert took == ["tf32"]
+        with pytest.raises(ValueError, match=r"fp32_dots must be one of .* got 'fp64'"):
+            run(tri, which, {**args, "fp32_dots": "fp64"})
+        monkeypatch.setattr(tri, "FP32_DOTS", "TF32X3")
+        with pytest.raises(ValueError, match=r"GR_PLUGIN_FP32_DOTS must be one of .* got 'TF32X3'"):
+            run(tri, which, args)
+        monkeypatch.setattr(tri, "FP32_DOTS", "tf32x3")
+    assert len(took) == 1  # (the refused launches reached no kernel)
+
+
 @pytest.mark.parametrize(("hist", "cand", "cached"), [*CASES, ([200, 5, 130, 0], [9, 1, 4, 3], [150, 5, 0, 0])])
 @pytest.mark.parametrize(("page_size", "programs", "tma"), [(8, 7, False), (64, 1, False), (64, 3, True),
                                                              (16, 40, False)])
@@ -521,6 +558,28 @@ def test_gpu_kernel_error_within_twice_the_torch_reference(which, dim, page_size
     # not at all): the same bits every run
     again = run(tri, which, {k: (v.to(dtype) if k in ("q", "k", "v", "kv_layer") else v) for k, v in args.items()})
     assert torch.equal(again, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["jagged", "paged"])
+@pytest.mark.parametrize(("dim", "page_size"), [(64, 16), (128, 128), (256, 32), (16, 32)])
+@pytest.mark.parametrize("fp32_dots", ["tf32x3", "ieee"])
+def test_gpu_fp32_dot_precisions_error_within_twice_the_torch_reference(which, dim, page_size, fp32_dots):
+    """Both fp32 dot precisions a user may pick (the default "tf32x3" and "ieee"), named at the launch,
+    against fp64: within 2x the fp32 torch reference's error (TF32 off), the same bits every run."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(dim + page_size)
+    hist = torch.randint(0, 900, (4,), generator=g).tolist()
+    cand = torch.randint(1, 70, (4,), generator=g).tolist()
+    jag, paged = build(hist, cand, [0, hist[1] // 2, hist[2], hist[3]], page_size, 4, dim, torch.float32, "cuda",
+                       dim)
+    args = jag if which == "jagged" else paged
+    exact = run(ref, which, args, torch.float64)
+    err_torch = (run(ref, which, args).double() - exact).abs().max().item()
+    got = run(tri, which, {**args, "fp32_dots": fp32_dots})
+    err = (got.double() - exact).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    assert torch.equal(run(tri, which, {**args, "fp32_dots": fp32_dots}), got)
 
 
 @pytest.mark.gpu

@@ -36,10 +36,11 @@ def _reference_grads(jag, dout, dtype):
     return [t.grad for t in leaves]
 
 
-def _kernel_grads(jag, dout, dtype, tiles=None):
+def _kernel_grads(jag, dout, dtype, tiles=None, fp32_dots=None):
     q, k, v = (jag[n].to(dtype) for n in ("q", "k", "v"))
     return bwd.hstu_attention_jagged_backward(dout.to(dtype), q, k, v, jag["seq_offsets"], jag["num_candidates"],
-                                              alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"], tiles=tiles)
+                                              alpha=ALPHA, n_norm=NORM, max_seq_len=jag["max_seq_len"], tiles=tiles,
+                                              fp32_dots=fp32_dots)
 
 
 @interpreter_only
@@ -141,6 +142,37 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"got \(6, 2, 16\), \(6, 2, 16\), \(5, 2, 16\)"):
         bwd.hstu_attention_jagged_backward(dout, jag["q"], jag["k"][:5], jag["v"], jag["seq_offsets"],
                                            jag["num_candidates"], alpha=ALPHA, n_norm=NORM, max_seq_len=6)
+    with pytest.raises(ValueError, match=r"fp32_dots must be one of .* got 'fp64'"):
+        bwd.hstu_attention_jagged_backward(dout, jag["q"], jag["k"], jag["v"], jag["seq_offsets"],
+                                           jag["num_candidates"], alpha=ALPHA, n_norm=NORM, max_seq_len=6,
+                                           fp32_dots="fp64")
+
+
+@interpreter_only
+def test_fp32_dot_precision_reaches_both_kernels(monkeypatch):
+    """fp32 gradients run both kernels' dots at the launch's ``fp32_dots`` (default `FP32_DOTS`)."""
+    jag, dout = _inputs([30, 7], [3, 2], 2, 16, torch.float32, "cpu")
+    took = []
+    for name in ("_bwd_dkdv", "_bwd_dq"):
+        real = getattr(bwd, name)
+
+        class Spy:
+            def __getitem__(self, grid, _real=real):
+                def launch(*a, **kw):
+                    took.append(kw["DOTS"])
+                    return _real[grid](*a, **kw)
+                return launch
+
+        monkeypatch.setattr(bwd, name, Spy())
+    exact = _reference_grads(jag, dout, torch.float64)
+    for given, dots in ((None, "tf32x3"), ("ieee", "ieee")):
+        took.clear()
+        got = bwd.hstu_attention_jagged_backward(dout, jag["q"], jag["k"], jag["v"], jag["seq_offsets"],
+                                                 jag["num_candidates"], alpha=ALPHA, n_norm=NORM,
+                                                 max_seq_len=jag["max_seq_len"], fp32_dots=given)
+        assert took == [dots, dots]
+        for a, e in zip(got, exact):
+            torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6)
 
 
 @interpreter_only
@@ -172,9 +204,10 @@ def test_dispatch_trains_through_the_triton_backward(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("dtype", "fp32_dots"), [(torch.bfloat16, None), (torch.float16, None),
+                                                  (torch.float32, "tf32x3"), (torch.float32, "ieee")])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, seed):
+def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, fp32_dots, seed):
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(seed)
     hist = torch.randint(0, 700, (4,), generator=g).tolist()
@@ -183,12 +216,12 @@ def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, seed):
     oracle = torch.float64 if dtype == torch.float32 else torch.float32
     exact = _reference_grads(jag, dout, oracle)
     low = _reference_grads(jag, dout, dtype)
-    got = _kernel_grads(jag, dout, dtype)
+    got = _kernel_grads(jag, dout, dtype, fp32_dots=fp32_dots)
     for name, a, t, e in zip("qkv", got, low, exact):
         assert a.dtype == dtype and not a.isnan().any()
         err, err_torch = (a.to(oracle) - e).abs().max().item(), (t.to(oracle) - e).abs().max().item()
         assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
-    again = _kernel_grads(jag, dout, dtype)
+    again = _kernel_grads(jag, dout, dtype, fp32_dots=fp32_dots)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 

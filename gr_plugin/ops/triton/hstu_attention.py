@@ -75,7 +75,7 @@ def _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_
 
 
 @triton.jit
-def _weights(q, k, alpha, IEEE: tl.constexpr, FAST: tl.constexpr):
+def _weights(q, k, alpha, DOTS: tl.constexpr, FAST: tl.constexpr):
     """``SiLU(alpha q k^T)`` of a query block and a key block, in fp32; the ``1 / n_norm`` is applied
     once to the accumulated output instead (one multiply per output element, not per weight). The
     weights are rounded to the values' dtype for the second matmul unscaled: in fp16 that overflows
@@ -85,10 +85,7 @@ def _weights(q, k, alpha, IEEE: tl.constexpr, FAST: tl.constexpr):
     one special-function op per weight instead of two (exp and reciprocal); its relative error
     (about 2^-11) is below the bf16 rounding the weights get before the second matmul.
     """
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = tl.dot(q, tl.trans(k), input_precision=DOTS)
     if FAST:
         h = s * (0.5 * alpha)
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [h], dtype=tl.float32, is_pure=True, pack=1)
@@ -98,10 +95,8 @@ def _weights(q, k, alpha, IEEE: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, p, v, IEEE: tl.constexpr):
-    if IEEE:
-        return acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc + tl.dot(p.to(v.dtype), v)
+def _accumulate(acc, p, v, DOTS: tl.constexpr):
+    return acc + tl.dot(p.to(v.dtype), v, input_precision=DOTS)
 
 
 @triton.jit
@@ -135,7 +130,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
           blk_lo, blk_hi, first, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
           stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+          BLOCK_N: tl.constexpr, DOTS: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """The fp32 sum (before ``1 / n_norm``) over key blocks ``[blk_lo, blk_hi)`` of query rows
     ``m0..m0+BLOCK_M`` of user ``b``, head ``h``, plus each candidate's own key/value when ``first``
     (exactly one of the programs sharing a tile); ``page_base``: the user's first entry in
@@ -169,7 +164,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
         k, v = _load_kv(K, V, KV, KVD, kv_indices, page_base, layer_pages, q_start, n0, kv_hi, h, d, stride_kt,
                         stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, False, TMA, HEAD_DIM)
-        acc = _accumulate(acc, _weights(q, k, alpha, IEEE, FAST), v, IEEE)
+        acc = _accumulate(acc, _weights(q, k, alpha, DOTS, FAST), v, DOTS)
     for n0 in range(full_hi, kv_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
@@ -177,7 +172,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
                         stride_kh, stride_vt, stride_vh, stride_pp, stride_pkv, stride_pt, stride_ph,
                         PAGE_SIZE, PAGED, BLOCK_N, True, TMA, HEAD_DIM)
         allowed = (cols[None, :] <= qpos[:, None]) & col_ok[None, :] & row_ok[:, None]
-        acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, IEEE, FAST), 0.0), v, IEEE)
+        acc = _accumulate(acc, tl.where(allowed, _weights(q, k, alpha, DOTS, FAST), 0.0), v, DOTS)
     # A candidate also sees itself, added once, by the program taking the tile's first part, and only
     # where the tile holds candidates: the rows' own keys and values as one more key block, of which
     # each candidate row keeps its diagonal weight.
@@ -189,7 +184,7 @@ def _tile(Q, K, V, KV, KVD, kv_indices, page_base, layer_pages, q_offsets, hist_
         k_own = tl.load(K + q_rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=cand[:, None], other=0.0)
         v_own = tl.load(V + q_rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=cand[:, None], other=0.0)
         own = (rows[:, None] == rows[None, :]) & cand[:, None]
-        acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, IEEE, FAST), 0.0), v_own, IEEE)
+        acc = _accumulate(acc, tl.where(own, _weights(q, k_own, alpha, DOTS, FAST), 0.0), v_own, DOTS)
     return acc
 
 
@@ -223,7 +218,7 @@ def _hstu_fwd(
     stride_pp, stride_pkv, stride_pt, stride_ph,
     alpha, inv_norm,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOTS: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, STREAM: tl.constexpr, BSZ_PAD: tl.constexpr, M_PAD: tl.constexpr,
     REVERSED: tl.constexpr,
 ):
@@ -251,7 +246,7 @@ def _hstu_fwd(
                     nb * split // splits, nb * (split + 1) // splits, split == 0,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+                    PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, DOTS, FAST, TMA, WS)
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
         q_rows = tl.load(q_offsets + b).to(tl.int64) + rows
@@ -296,7 +291,7 @@ def _hstu_fwd(
                         m * BLOCK_M, u - ts, e - ts, u == ts,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_pp, stride_pkv, stride_pt, stride_ph, alpha,
-                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)
+                        PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, DOTS, FAST, TMA, WS)
             q_start = tl.load(q_offsets + b).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -338,6 +333,26 @@ def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.c
 
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# The dots of fp32 inputs (Triton's ``input_precision``); 16-bit inputs run theirs on tensor cores as they are.
+# NOTE: "tf32x3" (three TF32 tensor-core products a dot: the operands' high and low parts) is the default:
+# measured on the H200 (`scripts/gpu/probe_fp32_dots.py`, docs/BENCHMARKS.md, "The fp32 kernel's tiles") its
+# error against fp64 is at or below "ieee"'s (FMA dots, operands in registers; 9.6e-6 against 1.1e-5 at
+# head_dim 128) and the forward 2.3-2.6x faster; plain "tf32" had 3.3-3.9x the error of cuBLAS's TF32 and
+# failed the error rule. GR_PLUGIN_FP32_DOTS or a launch's ``fp32_dots`` names another.
+FP32_DOT_CHOICES = ("tf32x3", "ieee", "tf32")
+FP32_DOTS = os.environ.get("GR_PLUGIN_FP32_DOTS", "tf32x3")
+
+
+def dot_precision(dtype: torch.dtype, fp32_dots: str | None = None) -> str:
+    """The kernels' ``input_precision`` for inputs of ``dtype``: ``fp32_dots`` (None: `FP32_DOTS`) for
+    fp32, Triton's default ("tf32", which 16-bit operands do not use) otherwise."""
+    choice = FP32_DOTS if fp32_dots is None else fp32_dots
+    if choice not in FP32_DOT_CHOICES:
+        name = "fp32_dots" if fp32_dots is not None else "GR_PLUGIN_FP32_DOTS"
+        raise ValueError(f"{name} must be one of {FP32_DOT_CHOICES}, got {choice!r}")
+    return choice if dtype == torch.float32 else "tf32"
+
+
 # NOTE: on by default since the kernel's GPU tests (tests/ops/test_triton_attention.py, the bf16 error
 # rule, both settings) passed on the H200; GR_PLUGIN_FAST_SILU=0 turns it off.
 FAST_SILU = os.environ.get("GR_PLUGIN_FAST_SILU", "1") == "1"
@@ -730,7 +745,7 @@ def _plan(nq, bsz, heads, dim, dtype, device, max_q_len, max_kv_len, paged, num_
 def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, alpha, n_norm, max_q_len, paged,
             max_kv_len=None, num_splits=None, blocks=None, fast=None, layer=None, schedule=None, programs=None,
             tma=None, warp_specialize=False, reversed_programs=False, norm_gate=None, tight_kv_len=True, kernel=None,
-            silu_gate=False):
+            silu_gate=False, fp32_dots=None):
     """Launch the kernel. ``schedule``: ``"split"`` (a program per query block and key split) or
     ``"stream"`` (stream-K over ``programs`` persistent programs, default one per SM); None:
     ``SCHEDULE`` (split unless set). ``tma``: None decides by `_use_tma`. ``norm_gate``: None, or
@@ -742,7 +757,8 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
     count the one-wave rule's. ``kernel``: ``"gluon"`` (the Hopper kernel of `hstu_gluon`; ``blocks``
     then names its tiles; a launch it cannot take is an error), ``"triton"``, or None: see
     `_gluon_choice`. ``silu_gate``: the norm gate's ``u`` is the layer's projection before its SiLU,
-    which the norm's pass applies as it loads it (`layer_norm`'s ``silu_u``)."""
+    which the norm's pass applies as it loads it (`layer_norm`'s ``silu_u``). ``fp32_dots``: the
+    dots' precision for fp32 inputs (`dot_precision`; None: `FP32_DOTS`)."""
     nq, heads, dim = q.shape
     if dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"triton HSTU attention supports head_dim in {SUPPORTED_HEAD_DIMS}, got {dim}")
@@ -761,6 +777,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
         raise ValueError(f"num_splits applies to the split schedule, got num_splits={num_splits} with 'stream'")
     if kernel not in (None, "triton", "gluon"):
         raise ValueError(f"kernel must be None, 'triton' or 'gluon', got {kernel!r}")
+    dots = dot_precision(q.dtype, fp32_dots)
     bsz = q_offsets.numel() - 1
     exact_silu = fast is False or (fast is None and not FAST_SILU)  # (asked for: the Gluon kernel has none)
     if fast is None:
@@ -833,7 +850,7 @@ def _launch(q, k, v, kv, kv_indices, kv_indptr, q_offsets, hist_lens, new_lens, 
             target.stride(-3), target.stride(-2),
             *strides, float(alpha), 1.0 / float(n_norm),
             PAGE_SIZE=page_size, PAGED=paged, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, FAST=bool(fast), TMA=bool(tma),
+            DOTS=dots, FAST=bool(fast), TMA=bool(tma),
             WS=bool(warp_specialize), STREAM=stream, BSZ_PAD=pads[0], M_PAD=pads[1],
             REVERSED=bool(reversed_programs) and stream,
             num_warps=warps, num_stages=stages,

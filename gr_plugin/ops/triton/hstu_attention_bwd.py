@@ -14,7 +14,8 @@ Two kernels, each recomputing the scores: one program per (key block, user, head
 over the query blocks that see those keys; one per (query block, user, head) sums ``dq`` over the key
 blocks it sees. Each gradient row is written by one program (no atomics: the same bits every run).
 Products are accumulated in fp32; bf16/fp16 operands of the second products (``w``, ``dp``) are rounded
-to the inputs' dtype as the forward rounds its weights; fp32 inputs take IEEE dots. The mask
+to the inputs' dtype as the forward rounds its weights; fp32 inputs take the forward's fp32 dots
+(`hstu_attention.FP32_DOTS`). The mask
 (history causal, a candidate sees the history and itself) as a pair test: ``j <= i and (j < hist or
 i == j)``. Works under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
@@ -30,13 +31,9 @@ from gr_plugin.ops.triton import hstu_attention as fwd
 
 
 @triton.jit
-def _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE: tl.constexpr):
+def _pairs(q, k, rows, cols, seq_len, hist, alpha, DOTS: tl.constexpr):
     """``s = alpha q k^T`` of a query block and a key block (fp32), and the mask of pairs it may use."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * alpha
+    s = tl.dot(q, tl.trans(k), input_precision=DOTS) * alpha
     i = rows[:, None]
     j = cols[None, :]
     allowed = (j <= i) & ((j < hist) | (i == j)) & (i < seq_len)
@@ -44,16 +41,14 @@ def _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+def _dot(a, b, DOTS: tl.constexpr):
+    return tl.dot(a, b, input_precision=DOTS)
 
 
 @triton.jit
 def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm, stride_qt, stride_qh, stride_kt,
               stride_kh, stride_vt, stride_vh, stride_dt, stride_dh, stride_gt, stride_gh, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOTS: tl.constexpr):
     """``dk``/``dv`` of keys ``n0..n0+BLOCK_N`` of one user and head: over query rows from the block's own
     (a key is seen by rows at or after it) to the sequence's end, or to the block's end for a block of
     candidates' keys only (each seen by its own row alone)."""
@@ -80,13 +75,13 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
         row_ok = rows < seq_len
         q = tl.load(Q + r64 * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + r64 * stride_dt + h * stride_dh + d[None, :], mask=row_ok[:, None], other=0.0)
-        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
+        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, DOTS)
         sig = tl.sigmoid(s)
         w = tl.where(allowed, s * sig, 0.0)
-        dv = dv + _dot(tl.trans(w.to(do.dtype)), do, IEEE)
-        dw = _dot(do, tl.trans(v), IEEE)
+        dv = dv + _dot(tl.trans(w.to(do.dtype)), do, DOTS)
+        dw = _dot(do, tl.trans(v), DOTS)
         dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
-        dk = dk + _dot(tl.trans(dp.to(q.dtype)), q, IEEE)
+        dk = dk + _dot(tl.trans(dp.to(q.dtype)), q, DOTS)
     g_off = c64 * stride_gt + h * stride_gh + d[None, :]
     tl.store(DK + g_off, (dk * (alpha * inv_norm)).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + g_off, (dv * inv_norm).to(DV.dtype.element_ty), mask=col_ok[:, None])
@@ -95,7 +90,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, seq_offsets, num_candidates, alpha, inv_norm,
 @triton.jit
 def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm, stride_qt, stride_qh, stride_kt,
             stride_kh, stride_vt, stride_vh, stride_dt, stride_dh, stride_gt, stride_gh, HEAD_DIM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOTS: tl.constexpr):
     """``dq`` of query rows ``m0..m0+BLOCK_M`` of one user and head: over the history keys up to the
     block's last row, then (a block holding candidates) the keys of its own rows, each seen by its row."""
     m0 = tl.program_id(0) * BLOCK_M
@@ -125,11 +120,11 @@ def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm, strid
         c64 = (start + cols).to(tl.int64)[:, None]
         k = tl.load(K + c64 * stride_kt + h * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(V + c64 * stride_vt + h * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0)
-        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, IEEE)
+        s, allowed = _pairs(q, k, rows, cols, seq_len, hist, alpha, DOTS)
         sig = tl.sigmoid(s)
-        dw = _dot(do, tl.trans(v), IEEE)
+        dw = _dot(do, tl.trans(v), DOTS)
         dp = tl.where(allowed, dw * sig * (1.0 + s * (1.0 - sig)), 0.0)
-        dq = dq + _dot(dp.to(k.dtype), k, IEEE)
+        dq = dq + _dot(dp.to(k.dtype), k, DOTS)
     tl.store(DQ + r64 * stride_gt + h * stride_gh + d[None, :], (dq * (alpha * inv_norm)).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -167,15 +162,18 @@ def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                                    n_norm: float, max_seq_len: int,
                                    tiles: tuple[int, int, int, int] | None = None,
                                    needs: tuple[bool, bool, bool] = (True, True, True),
+                                   fp32_dots: str | None = None,
                                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dq, dk, dv)`` ``[T, H, D]`` of the full-sequence attention given ``dout``; rows outside every
     sequence get zeros. ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `blocks`. ``needs``:
-    which of the three to compute (None for the others; dk and dv come from one kernel)."""
+    which of the three to compute (None for the others; dk and dv come from one kernel). ``fp32_dots``: the
+    dots' precision for fp32 inputs (`hstu_attention.dot_precision`; None: its ``FP32_DOTS``)."""
     if q.shape != k.shape or v.shape != k.shape or dout.shape != q.shape or q.dim() != 3:
         raise ValueError(f"dout, q, k, v must share a [T, H, D] shape, got {tuple(dout.shape)}, {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dots = fwd.dot_precision(q.dtype, fp32_dots)
     q, k, v, dout = (_unit_stride(t) for t in (q, k, v, dout.to(q.dtype)))
     _, heads, dim = q.shape
     bsz = seq_offsets.numel() - 1
@@ -185,8 +183,7 @@ def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
     if bsz == 0 or q.shape[0] == 0 or max_seq_len <= 0:
         return dq, (dk if needs[1] else None), (dv if needs[2] else None)
     block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype, q.device)
-    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=warps,
-                  num_stages=stages)
+    common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, DOTS=dots, num_warps=warps, num_stages=stages)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2], heads * dim, dim)
     args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), *strides)
     if dk is not None:
