@@ -99,7 +99,7 @@ def main() -> None:
             q, k, v, do = (torch.randn(sum(lens), heads, dim, device="cuda", dtype=dtype) for _ in range(4))
             kw = dict(alpha=0.35, n_norm=float(max(lens)), max_seq_len=max(lens))
             row = {"dim": dim, "dtype": name, "dots": fwd.dot_precision(dtype, dots), "bs": args.bs,
-                   "history": args.history, "default": bwd.blocks(dim, dtype, q.device)}
+                   "history": args.history, "default": bwd.blocks(dim, dtype, q.device, dots)}
             forward_ms = time_ms(lambda: fwd.hstu_attention_jagged(q, k, v, offsets, nc, fp32_dots=dots, **kw), 10)
             row["triton_forward_ms"] = round(forward_ms, 4)
 

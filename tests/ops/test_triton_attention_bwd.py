@@ -134,7 +134,9 @@ def test_tiles_fit_the_device(monkeypatch):
         assert bwd.blocks(128, torch.bfloat16, dev) == want128
         assert bwd.blocks(256, torch.float16, dev) == want256
         assert bwd.blocks(64, torch.bfloat16, dev) == (64, 64, 4, 1)
-        assert bwd.blocks(128, torch.float32, dev) == (32, 32, 4, 1)
+        assert bwd.blocks(128, torch.float32, dev) == bwd.blocks(256, torch.float32, dev) == (16, 32, 4, 1)
+        assert bwd.blocks(128, torch.float32, dev, "ieee") == (32, 32, 4, 1)
+        assert bwd.blocks(128, torch.bfloat16, dev, "ieee") == want128
 
 
 def test_bad_shapes_are_refused():

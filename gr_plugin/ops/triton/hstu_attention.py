@@ -392,16 +392,22 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     8 warps (0.103 ms vs 0.112 ms for 64x64 at bs 8); the jagged form prefers 64x64. Those tiles
     take ~160 KB of shared memory, so only devices with about 200 KB per block (Hopper) get them.
 
-    fp32 (``input_precision="ieee"``: FMA dots whose operands sit in registers) takes its own, smaller
-    tiles. NOTE: measured on the H200 (`scripts/gpu/tune_fp32_attention.py`, docs/BENCHMARKS.md,
-    "The fp32 kernel's tiles"): at head_dim 128, bs 8, the 64x64 tiles on 3 stages it had before ran
+    fp32 takes its own, smaller tiles, measured first for ``input_precision="ieee"`` (FMA dots whose
+    operands sit in registers) and kept for "tf32x3" (`FP32_DOTS`). NOTE: measured on the H200
+    (`scripts/gpu/tune_fp32_attention.py`, docs/BENCHMARKS.md, "The fp32 kernel's tiles"): at
+    head_dim 128, bs 8, the 64x64 tiles on 3 stages it had before ran
     the jagged form (512-event histories + 64 candidates) in 5.94 ms and the paged one (1024-token
     histories, 16 of them new) in 1.90 ms (register spills, presumably; not profiled); 32x64 tiles
     on 1 stage in 0.369 and 0.218 ms (the torch reference: 2.0 and 2.15 ms). At head_dim 256 the
     64x32 tiles took 17.5 ms, 16x32 1.02 ms; at 64, 64x64 2.49 ms, 32x64 0.193 ms. Head sizes 16
     and 32 (same sweep, 2026-12-02 from 11:19): 64x64 on 3 stages stays the best or within 2% at 32
     (jagged 0.095 ms, paged 0.063; 32x32: 0.109 and 0.068) and for the jagged form at 16 (0.069 vs
-    32x32's 0.068); the paged form at 16 takes 32x32 on 1 stage (0.059 ms vs 0.125)."""
+    32x32's 0.068); the paged form at 16 takes 32x32 on 1 stage (0.059 ms vs 0.125). On tf32x3 dots
+    (same script, ``--dots tf32x3 ieee``, 2026-12-02 from 15:05) these tiles were the fastest tried or
+    within 2% at head_dim 128 (jagged 0.140 ms against 0.368 on IEEE dots; paged 0.101 / 0.219) and
+    everywhere 1.1-3.3x faster than IEEE, except for the jagged form at 64, where 32x32 took 0.095 ms
+    against these 0.130 (not taken: the rule would depend on the precision for one case); at 128 and
+    256 the larger tiles tried (64x64 / 64x32 on 2-3 stages, 128x32) were slower or out of shared memory."""
     if dtype.itemsize == 4 and head_dim >= 64:
         return (16, 32, 4, 1) if head_dim >= 256 else (32, 64, 4, 1)
     if dtype.itemsize == 4 and head_dim <= 16 and paged:

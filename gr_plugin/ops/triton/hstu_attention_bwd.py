@@ -129,9 +129,10 @@ def _bwd_dq(Q, K, V, DO, DQ, seq_offsets, num_candidates, alpha, inv_norm, strid
              mask=row_ok[:, None])
 
 
-def blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size, element size and
-    device.
+def blocks(head_dim: int, dtype: torch.dtype, device: torch.device,
+           fp32_dots: str | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of both backward kernels, by head size, element size,
+    device and, for fp32, the dots' precision (`hstu_attention.dot_precision`).
 
     NOTE: measured on the H200 (`scripts/gpu/tune_attention_bwd.py`, bs 8, 2048-event histories + 256
     candidates, 4 heads, the backward alone; docs/BENCHMARKS.md, "Training"): bf16 at head_dim 128, 128x64
@@ -141,9 +142,11 @@ def blocks(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int
     others take 64x64 at 128 (57-73 KB) and 32x32 at 256 (57-67 KB), not measured for speed. fp32 (IEEE
     FMA dots) at 128: 32x32 tiles 23.7 ms, 16x32 27.0, 32x64 403 (spilled) -- slower than the reference's
     forward and backward (13.8 ms), so ``auto`` trains fp32 through the reference
-    (`gr_plugin.ops.hstu_attention`). Not measured: head_dim 16/32, fp16 (bf16's tiles)."""
+    (`gr_plugin.ops.hstu_attention`). fp32 on tf32x3 dots (the default; same sweep, 2026-12-02 from 15:05):
+    16x32 tiles 5.68 ms at 128 (32x32 6.86, 32x64 9.52, 64x32 12.7) and 22.2 at 256 (32x32 222: spilled;
+    larger tiles out of shared memory). Not measured: head_dim 16/32/64 in fp32, fp16 (bf16's tiles)."""
     if dtype.itemsize == 4:
-        return 32, 32, 4, 1
+        return (32, 32, 4, 1) if fwd.dot_precision(dtype, fp32_dots) == "ieee" else (16, 32, 4, 1)
     if head_dim >= 128 and fwd._large_tiles_fit(device):
         return 128, 64, 8, 1
     if head_dim >= 256:
@@ -182,7 +185,7 @@ def hstu_attention_jagged_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
               if needs[1] or needs[2] else (None, None))
     if bsz == 0 or q.shape[0] == 0 or max_seq_len <= 0:
         return dq, (dk if needs[1] else None), (dv if needs[2] else None)
-    block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype, q.device)
+    block_m, block_n, warps, stages = tiles or blocks(dim, q.dtype, q.device, fp32_dots)
     common = dict(HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, DOTS=dots, num_warps=warps, num_stages=stages)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2], heads * dim, dim)
     args = (seq_offsets, num_candidates, float(alpha), 1.0 / float(n_norm), *strides)
