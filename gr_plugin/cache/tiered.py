@@ -136,7 +136,8 @@ class TieredBackend(HostTier):
         if self._remote is None and self.tiers.enable_3rd_remote:
             from gr_plugin.cache.tiers.remote import RedisPageStore
 
-            self._remote = RedisPageStore(self.tiers.remote_url, page_bytes=config.page_bytes)
+            self._remote = RedisPageStore(self.tiers.remote_url, page_bytes=config.page_bytes,
+                                          ttl_s=self.tiers.remote_ttl_s)
 
     def _stores(self) -> list[tuple[str, PageStore]]:
         return [(n, s) for n, s in (("ssd", self._ssd), ("remote", self._remote)) if s is not None]

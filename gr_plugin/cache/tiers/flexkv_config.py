@@ -34,7 +34,9 @@ class TierConfig:
     (host → SSD on every commit) or ``"on_evict"`` (host → SSD when the host tier evicts).
     ``remote_write_through``: pages also go to the remote tier as they are written to SSD.
     ``fail_open``: a failing lower tier turns into misses instead of errors. ``task_timeout_s``: the
-    longest a caller waits for a lower-tier transfer before treating it as a miss.
+    longest a caller waits for a lower-tier transfer before treating it as a miss. ``remote_ttl_s``
+    (None: never): the remote tier's pages expire after this many seconds without a read (a read
+    renews it), so the pages of namespaces no longer read (older weights) leave a shared server.
     """
 
     cpu_cache_gb: float = 1.0
@@ -49,6 +51,7 @@ class TierConfig:
     remote_write_through: bool = True
     fail_open: bool = True
     task_timeout_s: float = 2.0
+    remote_ttl_s: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("cpu_cache_gb", "ssd_cache_gb"):
@@ -84,6 +87,9 @@ class TierConfig:
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
             raise ValueError(f"TierConfig.task_timeout_s must be a number > 0, got {t!r}")
         self.task_timeout_s = float(t)
+        ttl = self.remote_ttl_s
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0):
+            raise ValueError(f"TierConfig.remote_ttl_s must be a positive int (seconds) or None, got {ttl!r}")
 
     @property
     def cpu_cache_bytes(self) -> int:

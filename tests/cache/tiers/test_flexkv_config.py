@@ -106,6 +106,9 @@ def test_o_direct_spellings(value, expected):
     ("write_policy", "write_back"),
     ("fail_open", 1),
     ("task_timeout_s", 0),
+    ("remote_ttl_s", 0),
+    ("remote_ttl_s", 1.5),
+    ("remote_ttl_s", True),
 ])
 def test_bad_values_are_rejected(field, value):
     with pytest.raises(ValueError, match=field):
