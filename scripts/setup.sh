@@ -7,15 +7,19 @@ cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
 stamp="$venv/.gr-setup-stamp"
 want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-# The gr_kv C++ ops (gr_plugin/csrc, docs/EXPORT.md): built once per change of their sources or the venv.
+# The gr_kv C++ ops and the C++ cache policy core (gr_plugin/csrc, docs/EXPORT.md; torch.utils.cpp_extension
+# + ninja): built once per change of their sources, their builders, the venv or the checkout's place (the build
+# directories are keyed by content and location, gr_plugin/csrc/build_lock.py).
 ops_stamp="$venv/.gr-ops-stamp"
-ops_want=$(cat gr_plugin/csrc/gr_kv_ops.cpp gr_plugin/csrc/build.py <(echo "$want") | sha256sum | cut -c1-16)
+ops_want=$(find gr_plugin/csrc gr_plugin/csrc/core -maxdepth 1 -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' \
+  -o -name CMakeLists.txt \) | sort | xargs cat | cat - <(echo "$want") <(pwd -P) | sha256sum | cut -c1-16)
 build_ops() {
   if [ ! -f "$ops_stamp" ] || [ "$(cat "$ops_stamp")" != "$ops_want" ]; then
     command -v ninja >/dev/null 2>&1 || [ -x "$venv/bin/ninja" ] || "$venv/bin/python" -m pip install -q ninja
     "$venv/bin/python" -m gr_plugin.csrc.build >/dev/null
+    "$venv/bin/python" -m gr_plugin.csrc.core.build
     echo "$ops_want" > "$ops_stamp"
-    echo "setup: gr_kv C++ ops built"
+    echo "setup: gr_kv C++ ops and policy core built"
   fi
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -29,9 +33,6 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -r requirements/base.txt
 "${pip[@]}" --no-deps --no-build-isolation -e . 2>/dev/null || "${pip[@]}" --no-deps -e .
 "$venv/bin/python" -c "import gr_plugin.cache, torchrec, fbgemm_gpu, lightning, hydra"
-# The C++ cache policy core (torch.utils.cpp_extension + ninja; cached, rebuilt when sources change)
-command -v ninja >/dev/null 2>&1 || "${pip[@]}" ninja
-"$venv/bin/python" -m gr_plugin.csrc.core.build
 # PyTriton's bundled Triton Python backend needs numpy 1: give it its own small venv (docs/SCALING.md)
 "$venv/bin/python" -m gr_plugin.serving.triton_env
 echo "$want" > "$stamp"
