@@ -2,6 +2,7 @@
 here, without a GPU.
 
 python scripts/kernel_resources.py [--module PATH] [--launch KEY=VALUE ...] [--cases DIM,PAGE,BS ...]
+    [--dtype bfloat16|float16|float32] [--eager-only]
 
 Triton compiles for a target it is given (sm_90, with the ptxas its wheel bundles), so what a kernel
 change does to the compiled form can be read before spending device time. This script runs
@@ -22,7 +23,10 @@ tuple of ints, or a string), e.g. ``append=True`` where that module takes it, or
 ``blocks=64,64,8,2`` (the tiles: BLOCK_M, BLOCK_N, warps, stages); ``kernel=gluon``: the Gluon kernel
 (`gr_plugin.ops.triton.hstu_gluon`, which the H200 takes for graphed launches), graphed only;
 ``full=True``: the full pass's launch (`hstu_attention_jagged`: the history and the candidates, every
-token a query) instead of the cached step's.
+token a query) instead of the cached step's. ``--dtype``: the inputs' dtype (default bf16, the block's);
+each line also names the precision of the kernel's dots as its Triton IR (TTIR) states it (``dots``:
+``inputPrecision`` of every ``tt.dot``, ``ieee`` where the attribute is absent). ``--eager-only``: the
+eager launch alone.
 
 Approximations: the index tensors are fresh CPU tensors (16-byte aligned); a graph bucket packs its
 index fields into one buffer, where ``kv_indptr`` may start unaligned (one scalar load; the
@@ -70,12 +74,13 @@ def load(path: str | None):
     return mod
 
 
-def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dict):
+def captured_launch(mod, dim: int, page: int, bs: int, graphed: bool, extra: dict,
+                    dtype: torch.dtype = torch.bfloat16):
     """``(kernel, (args, kwargs))`` of the launch ``mod`` makes at these shapes, on CPU tensors."""
     qlen = NEW + CANDS
     nq = bs * qlen
     pages_per_user = -(-HIST // page)
-    bf16 = dict(dtype=torch.bfloat16)
+    bf16 = dict(dtype=dtype)
     q, k, v = (torch.empty(nq, HEADS, dim, **bf16) for _ in range(3))
     kv = torch.empty(bs * pages_per_user + 1, 2, page, HEADS, dim, **bf16)
     i64 = dict(dtype=torch.int64)
@@ -150,6 +155,14 @@ def resources(kernel) -> tuple[int, int]:
     return int(regs.group(1)), int(stack.group(1))
 
 
+def dot_precisions(kernel) -> list[str]:
+    """The ``inputPrecision`` of each ``tt.dot`` in the compiled kernel's TTIR (``ieee`` where absent; none
+    for a Gluon kernel, which has no TTIR)."""
+    lines = [ln for ln in kernel.asm.get("ttir", "").splitlines() if "tt.dot " in ln]
+    found = [re.search(r"inputPrecision\s*=\s*(\w+)", ln) for ln in lines]
+    return [m.group(1) if m else "ieee" for m in found]
+
+
 def parse_launch(items: list[str]) -> dict:
     out = {}
     for item in items:
@@ -173,12 +186,16 @@ def main() -> None:
     p.add_argument("--module")
     p.add_argument("--launch", nargs="*", default=[])
     p.add_argument("--cases", nargs="*", default=[",".join(map(str, c)) for c in CASES])
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--eager-only", action="store_true")
     a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
     extra = parse_launch(a.launch)
     mod = load(a.module)
     for dim, page, bs in (tuple(int(x) for x in c.split(",")) for c in a.cases):
-        for graphed in ((True,) if extra.get("kernel") == "gluon" else (False, True)):  # (Gluon: graphed only)
-            fn, (args, kwargs) = captured_launch(mod, dim, page, bs, graphed, extra)
+        ways = (True,) if extra.get("kernel") == "gluon" else (False,) if a.eager_only else (False, True)
+        for graphed in ways:  # (Gluon: graphed only)
+            fn, (args, kwargs) = captured_launch(mod, dim, page, bs, graphed, extra, dtype)
             kernel = compile_for_h200(fn, args, kwargs)
             regs, stack = resources(kernel)
             tiles = (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("num_warps"),
@@ -187,8 +204,8 @@ def main() -> None:
             form = ("graphed, Gluon" if fn.is_gluon() else "graphed, TMA" if kwargs.get("TMA") else "graphed") \
                 if graphed else "eager"
             print(f"head_dim {dim} page {page} bs {bs} {form}: tiles {tiles} splits {splits}: "
-                  f"{regs} registers, {stack} bytes of local memory, {kernel.metadata.shared} bytes of shared memory",
-                  flush=True)
+                  f"{regs} registers, {stack} bytes of local memory, {kernel.metadata.shared} bytes of shared memory, "
+                  f"dots {','.join(sorted(set(dot_precisions(kernel)))) or 'n/a'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ _PATCHES = [
      "    return res\n\n\n@triton.jit\ndef _stream_tiles("),
     ("        pid_m = tl.program_id(0) // splits\n",
      "        t0 = _clk(splits)\n        g0 = _gclk(splits)\n        pid_m = tl.program_id(0) // splits\n"),
-    ("PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS)\n        rows = m0",
-     "PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, IEEE, FAST, TMA, WS, Done)\n        rows = m0"),
+    ("PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, DOTS, FAST, TMA, WS)\n        rows = m0",
+     "PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_M, BLOCK_N, DOTS, FAST, TMA, WS, Done)\n        rows = m0"),
     ("        tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])\n    else:",
      "        tl.store(out_ptrs, (acc * inv_norm).to(Out.dtype.element_ty), mask=row_ok[:, None])\n"
      "        t4 = _clk(tl.sum(acc).to(tl.int32))\n        g4 = _gclk(tl.sum(acc).to(tl.int32))\n"

@@ -3,9 +3,10 @@
 python3 scripts/gpu/tune_fp32_attention.py [--dims 128 ...] [--forms jagged paged] [--configs M,N,W,S ...]
     [--dots tf32x3 ieee ...] [--out PATH]
 
-The fp32 kernel (``input_precision="ieee"``: FMA, not tensor cores) is what `recipes.infer` runs at its default
-``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32, batch 8, 64 candidates, histories to 1024)
-it took 2.29 ms a launch (docs/BENCHMARKS.md, "`recipes.infer` on the H200"). Each case runs the jagged (full pass)
+The fp32 kernel (its dots at `FP32_DOTS`, "tf32x3", since 2026-12-02; "ieee" before: FMA, not tensor cores) is
+what `recipes.infer` runs at its default ``dtype: float32``; at `hstu_large`'s shapes (4 heads of 128, page 32,
+batch 8, 64 candidates, histories to 1024) the IEEE kernel on its old tiles took 2.29 ms a launch
+(docs/BENCHMARKS.md, "`recipes.infer` on the H200"). Each case runs the jagged (full pass)
 and the paged (cached step) form with every config of `CONFIGS`, the default's blocks (`_blocks`) first, and the
 pure-torch reference (cuBLAS, TF32 off) beside them, once per ``--dots`` precision of the kernel's fp32 dots
 (`hstu_attention.dot_precision`; default `FP32_DOTS`); each row reports its output's max abs difference from the

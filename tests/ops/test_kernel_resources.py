@@ -23,6 +23,14 @@ GLUON_BUDGET = {128: 176, 256: 252}
 
 def _compiled(*args: str) -> list[tuple[int, int, int]]:
     """``(head_dim, registers, local bytes)`` of each launch `scripts/kernel_resources.py` compiles."""
+    lines = _compile_lines(*args)
+    found = [re.match(r"head_dim (\d+) .*: (\d+) registers, (\d+) bytes of local memory", ln) for ln in lines]
+    assert found and all(found), lines
+    return [tuple(int(g) for g in m.groups()) for m in found]
+
+
+def _compile_lines(*args: str) -> list[str]:
+    """The lines `scripts/kernel_resources.py` prints for the launches it compiles (one per launch)."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -36,10 +44,7 @@ def _compiled(*args: str) -> list[tuple[int, int, int]]:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_resources.py"), *args],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    found = [re.match(r"head_dim (\d+) .*: (\d+) registers, (\d+) bytes of local memory", ln)
-             for ln in out.stdout.splitlines() if ln.startswith("head_dim")]
-    assert found and all(found), out.stdout
-    return [tuple(int(g) for g in m.groups()) for m in found]
+    return [ln for ln in out.stdout.splitlines() if ln.startswith("head_dim")]
 
 
 def test_attention_compiles_for_the_h200_without_spills():
@@ -63,3 +68,18 @@ def test_gluon_full_pass_compiles_for_the_h200_without_spills():
     assert len(got) == 3, got
     for dim, regs, local in got:
         assert local == 0 and regs <= GLUON_BUDGET[dim], got
+
+
+def test_fp32_dots_compile_at_the_precision_asked_for():
+    """The precision `FP32_DOTS` / ``fp32_dots`` names reaches every ``tt.dot`` of the compiled kernel (the
+    interpreter, which the other CPU tests run, ignores it): tf32x3 by default, IEEE or TF32 when asked
+    for; 16-bit inputs keep Triton's default."""
+    def dots(*args: str) -> str:
+        lines = _compile_lines("--cases", "64,16,1", "--eager-only", *args)
+        assert len(lines) == 1, lines
+        return re.search(r"dots (\S+)$", lines[0]).group(1)
+
+    assert dots("--dtype", "float32") == "tf32x3"
+    assert dots("--dtype", "float32", "--launch", "fp32_dots=ieee") == "ieee"
+    assert dots("--dtype", "float32", "--launch", "fp32_dots=tf32") == "tf32"
+    assert dots("--launch", "fp32_dots=ieee") == "tf32"  # (bf16: not fp32's setting)

@@ -128,6 +128,7 @@ def test_tiles_fit_the_device(monkeypatch):
     from gr_plugin.ops.triton import hstu_attention as fwd
 
     dev = torch.device("cuda", 0)
+    monkeypatch.setattr(fwd, "FP32_DOTS", "tf32x3")  # (the default; GR_PLUGIN_FP32_DOTS may name another)
     for smem, want128, want256 in ((232448, (128, 64, 8, 1), (128, 64, 8, 1)), (166912, (64, 64, 4, 1), (32, 32, 4, 1)),
                                    (101376, (64, 64, 4, 1), (32, 32, 4, 1))):
         monkeypatch.setattr(fwd, "_shared_memory", lambda device, _s=smem: _s)
@@ -153,6 +154,9 @@ def test_bad_shapes_are_refused():
 @interpreter_only
 def test_fp32_dot_precision_reaches_both_kernels(monkeypatch):
     """fp32 gradients run both kernels' dots at the launch's ``fp32_dots`` (default `FP32_DOTS`)."""
+    from gr_plugin.ops.triton import hstu_attention as fwd
+
+    monkeypatch.setattr(fwd, "FP32_DOTS", "tf32x3")  # (the default; GR_PLUGIN_FP32_DOTS may name another)
     jag, dout = _inputs([30, 7], [3, 2], 2, 16, torch.float32, "cpu")
     took = []
     for name in ("_bwd_dkdv", "_bwd_dq"):

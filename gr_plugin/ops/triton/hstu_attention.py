@@ -335,10 +335,12 @@ def _sum_parts(Part, Out, q_offsets, bsz, n_part, row_elems, splits, BLOCK: tl.c
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # The dots of fp32 inputs (Triton's ``input_precision``); 16-bit inputs run theirs on tensor cores as they are.
 # NOTE: "tf32x3" (three TF32 tensor-core products a dot: the operands' high and low parts) is the default:
-# measured on the H200 (`scripts/gpu/probe_fp32_dots.py`, docs/BENCHMARKS.md, "The fp32 kernel's tiles") its
-# error against fp64 is at or below "ieee"'s (FMA dots, operands in registers; 9.6e-6 against 1.1e-5 at
-# head_dim 128) and the forward 2.3-2.6x faster; plain "tf32" had 3.3-3.9x the error of cuBLAS's TF32 and
-# failed the error rule. GR_PLUGIN_FP32_DOTS or a launch's ``fp32_dots`` names another.
+# measured on the H200 (`scripts/gpu/probe_fp32_dots.py`, docs/BENCHMARKS.md, "fp32 dots on tf32x3") its
+# error against fp64 is at or below "ieee"'s (FMA dots, operands in registers; forward 9.6e-6 against
+# 1.0-1.7e-5 at head_dim 128) and the forward 2.2-2.6x faster at head_dim 128 (1.1-3.4x over 16-256); plain
+# "tf32" had 3.3-3.9x (forward) and 2.6-3.5x (backward) the error of cuBLAS's TF32 and failed the error rule.
+# GR_PLUGIN_FP32_DOTS (read at import) or a launch's ``fp32_dots`` names another. A CUDA graph, an Inductor
+# trace or an AOTInductor package keeps the precision it was made with.
 FP32_DOT_CHOICES = ("tf32x3", "ieee", "tf32")
 FP32_DOTS = os.environ.get("GR_PLUGIN_FP32_DOTS", "tf32x3")
 
@@ -404,10 +406,11 @@ def _blocks(head_dim: int, dtype: torch.dtype, paged: bool, device: torch.device
     (jagged 0.095 ms, paged 0.063; 32x32: 0.109 and 0.068) and for the jagged form at 16 (0.069 vs
     32x32's 0.068); the paged form at 16 takes 32x32 on 1 stage (0.059 ms vs 0.125). On tf32x3 dots
     (same script, ``--dots tf32x3 ieee``, 2026-12-02 from 15:05) these tiles were the fastest tried or
-    within 2% at head_dim 128 (jagged 0.140 ms against 0.368 on IEEE dots; paged 0.101 / 0.219) and
-    everywhere 1.1-3.3x faster than IEEE, except for the jagged form at 64, where 32x32 took 0.095 ms
-    against these 0.130 (not taken: the rule would depend on the precision for one case); at 128 and
-    256 the larger tiles tried (64x64 / 64x32 on 2-3 stages, 128x32) were slower or out of shared memory."""
+    within 10% (the same tiles timed twice differed by 8%) at head_dim 128 (jagged 0.141 ms against 0.368
+    on IEEE dots; paged 0.101 / 0.219) and everywhere 1.1-3.4x faster than IEEE, except for the jagged
+    form at 64, where 32x32 took 0.095 ms against these 0.130 (not taken: the rule would depend on the
+    precision for one case); at 128 and 256 the larger tiles tried (64x64 / 64x32 on 2-3 stages, 128x32)
+    were slower or out of shared memory, and 32x64 on 8 warps at 128 slower (jagged 0.168 against 0.140)."""
     if dtype.itemsize == 4 and head_dim >= 64:
         return (16, 32, 4, 1) if head_dim >= 256 else (32, 64, 4, 1)
     if dtype.itemsize == 4 and head_dim <= 16 and paged:

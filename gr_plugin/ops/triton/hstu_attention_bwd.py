@@ -141,10 +141,12 @@ def blocks(head_dim: int, dtype: torch.dtype, device: torch.device,
     of shared memory (head_dim 128-256), so only a device with about 200 KB a block (Hopper) gets them;
     others take 64x64 at 128 (57-73 KB) and 32x32 at 256 (57-67 KB), not measured for speed. fp32 (IEEE
     FMA dots) at 128: 32x32 tiles 23.7 ms, 16x32 27.0, 32x64 403 (spilled) -- slower than the reference's
-    forward and backward (13.8 ms), so ``auto`` trains fp32 through the reference
-    (`gr_plugin.ops.hstu_attention`). fp32 on tf32x3 dots (the default; same sweep, 2026-12-02 from 15:05):
-    16x32 tiles 5.68 ms at 128 (32x32 6.86, 32x64 9.52, 64x32 12.7) and 22.2 at 256 (32x32 222: spilled;
-    larger tiles out of shared memory). Not measured: head_dim 16/32/64 in fp32, fp16 (bf16's tiles)."""
+    forward and backward (13.8 ms). fp32 on tf32x3 dots (the default; same sweep, 2026-12-02 from 15:05):
+    16x32 tiles 5.68 ms at 128 (32x32 6.86, 32x64 9.52, 64x32 12.7; with the forward 7.0 ms against the
+    reference's 12.6) and 22.2 at 256 (32x32 222: spilled; larger tiles out of shared memory; with the
+    forward 25.7 against 18.4). ``auto`` still trains fp32 through the reference
+    (`gr_plugin.ops.hstu_attention`): one shape measured, slower at 256. Not measured: head_dim 16/32/64
+    in fp32 (they take 16x32 unmeasured), fp16 (bf16's tiles)."""
     if dtype.itemsize == 4:
         return (32, 32, 4, 1) if fwd.dot_precision(dtype, fp32_dots) == "ieee" else (16, 32, 4, 1)
     if head_dim >= 128 and fwd._large_tiles_fit(device):
