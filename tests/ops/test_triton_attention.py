@@ -691,3 +691,18 @@ def test_paged_launch_names_what_the_launch_takes(monkeypatch):
     assert tri.paged_launch(100, 3, 2, 64, 4096, 16, torch.float16, torch.device("cpu")) == ("stream",)
     assert tri.paged_launch(10_000, 5000, 2, 64, 4096, 16, torch.float16, torch.device("cpu"))[0] == \
         tri._blocks(16, torch.float16, True, torch.device("cpu"))
+
+
+def test_the_timeline_probe_still_patches_the_kernel():
+    """`scripts/gpu/probe_attention_timeline.py` adds its clock stamps by patching this module's source
+    (each patch must match exactly once): a kernel change that moves a patched line shows up here, not
+    in a device call (ae0f84d renamed an argument and broke it unnoticed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "probe_attention_timeline.py"
+    spec = importlib.util.spec_from_file_location("probe_attention_timeline", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    probed = probe.probed_module()
+    assert probed.PROBE == [None] and callable(probed.paged_hstu_attention)
