@@ -115,3 +115,19 @@ def test_configs_made_in_python_take_the_same_default_checkpoint():
     assert InferConfig(model=tiny).default_ckpt == TrainConfig(model=tiny).ckpt_out == \
         "outputs/checkpoints/hstu-ml-1m-L2-D16-H2x8.ckpt"
     assert TrainConfig(ckpt_out="x.ckpt").ckpt_out == "x.ckpt"
+
+
+def test_bench_help_names_every_suite_and_not_the_other_recipes_groups():
+    """``python -m recipes.bench --help`` says how to pick a suite and names each one `SUITES` holds; the
+    config groups it does not read (Hydra's default help lists every group on the search path) are not
+    offered as options."""
+    from recipes.bench import SUITES
+
+    out = subprocess.run([sys.executable, "-m", "recipes.bench", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    usage = out.stdout.split("== Config ==")[0]
+    assert "suite=<name>" in usage and all(name in usage for name in SUITES), usage
+    assert "Configuration groups" not in out.stdout and "kvcache: base_kvcache" not in out.stdout
+    config = OmegaConf.create(out.stdout.split("== Config ==")[1].split("Powered by Hydra")[0])
+    assert config.suite == "host_overhead" and set(SUITES) <= set(config)  # (each suite's settings)
