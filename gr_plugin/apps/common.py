@@ -108,8 +108,8 @@ def cache_namespace(salt: str, module: HSTURankingModule) -> str:
     t0 = time.perf_counter()
     model = module.model
     namespace = module_namespace(salt, model, dataclasses.asdict(model.config))
-    logger.info("kvcache namespace %r (kvcache.namespace %r + the weights' fingerprint, %.2f s)", namespace, salt,
-                time.perf_counter() - t0)
+    logger.info("kvcache namespace %r (kvcache.namespace %r + the weights' fingerprint, %.1f ms)", namespace, salt,
+                (time.perf_counter() - t0) * 1e3)
     return namespace
 
 

@@ -146,7 +146,8 @@ class KVCacheCallback(Callback):
         dtype = self._kv_dtype(trainer, pl_module, stage)
         # NOTE: at every loop's start, not only after the hooks that change weights: a load_state_dict by
         # hand, a write through ``.data`` or a fused optimizer's step shows in no hook or version counter.
-        # (A few ms for these models: `apps.common.cache_namespace` logs the time.)
+        # (2 ms for the default model, 58-152 for hstu_large on the CPU dev box: docs/BENCHMARKS.md, "The
+        # weights' fingerprint".)
         namespace = module_namespace(self.namespace, model, dataclasses.asdict(model.config))
         if (self.cache is None or self.cache.kv_table.device != next(pl_module.parameters()).device
                 or self.cache.config.dtype != dtype or self.engine is None or self.engine.model is not model):
