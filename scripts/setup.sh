@@ -12,7 +12,8 @@ want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut 
 # directories are keyed by content and location, gr_plugin/csrc/build_lock.py).
 ops_stamp="$venv/.gr-ops-stamp"
 ops_want=$(find gr_plugin/csrc gr_plugin/csrc/core -maxdepth 1 -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' \
-  -o -name CMakeLists.txt \) | sort | xargs cat | cat - <(echo "$want") <(pwd -P) | sha256sum | cut -c1-16)
+  -o -name CMakeLists.txt \) -print0 | LC_ALL=C sort -z | xargs -0 cat | cat - <(echo "$want") <(pwd -P) \
+  | sha256sum | cut -c1-16)
 build_ops() {
   if [ ! -f "$ops_stamp" ] || [ "$(cat "$ops_stamp")" != "$ops_want" ]; then
     command -v ninja >/dev/null 2>&1 || [ -x "$venv/bin/ninja" ] || "$venv/bin/python" -m pip install -q ninja

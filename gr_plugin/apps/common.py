@@ -18,7 +18,7 @@ import torch
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.hashing import module_namespace
-from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config
+from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, tier_keys
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
 from gr_plugin.data import RecDataModule
@@ -62,16 +62,19 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
 
 
 def tier_config(opts: KVCacheOptions) -> TierConfig:
-    """The ``flexkv`` tiers: ``kvcache.tiers``, overridden by the FlexKV YAML ``tier_config``."""
+    """The ``flexkv`` tiers: ``kvcache.tiers``, where the FlexKV YAML ``tier_config`` names a key its value
+    (the keys it does not name keep ``kvcache.tiers``'s, e.g. our ``remote_ttl_s``)."""
     base = dataclasses.asdict(opts.tiers)
     if opts.tier_config:
-        base.update(load_tier_config(opts.tier_config).to_dict())
+        base.update(tier_keys(opts.tier_config))
     tiers = load_tier_config(base)
     found = importlib.util.find_spec("flexkv") is not None
     logger.info("kvcache=flexkv: %s; gr_plugin's built-in tiered engine serves (host %.2f GB, SSD %.2f GB at %r, "
                 "remote %s)", "the FlexKV library is importable but has no adapter here" if found
                 else "the FlexKV library is not installed", tiers.cpu_cache_gb, tiers.ssd_cache_gb,
-                tiers.ssd_cache_dir, tiers.remote_url if tiers.enable_3rd_remote else "off")
+                tiers.ssd_cache_dir, (f"{tiers.remote_url}, pages expire {tiers.remote_ttl_s} s after their last "
+                                      "write or read there" if tiers.remote_ttl_s else tiers.remote_url)
+                if tiers.enable_3rd_remote else "off")
     return tiers
 
 

@@ -2,6 +2,7 @@
 ``validate=false``; one default checkpoint per model; a train sweep's jobs keep their checkpoints apart."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,7 +128,28 @@ def test_bench_help_names_every_suite_and_not_the_other_recipes_groups():
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     usage = out.stdout.split("== Config ==")[0]
-    assert "suite=<name>" in usage and all(name in usage for name in SUITES), usage
+    listed = set(re.findall(r"[a-z0-9_]+", usage.split("\nsuite:")[1].split(";")[0])) - {"default", "or"}
+    assert "suite=<name>" in usage and listed == set(SUITES), usage
     assert "Configuration groups" not in out.stdout and "kvcache: base_kvcache" not in out.stdout
     config = OmegaConf.create(out.stdout.split("== Config ==")[1].split("Powered by Hydra")[0])
     assert config.suite == "host_overhead" and set(SUITES) <= set(config)  # (each suite's settings)
+
+
+def test_a_tier_yaml_overrides_only_the_keys_it_names(tmp_path):
+    """``kvcache.tier_config``: the keys a FlexKV tier file names (aliases too) override ``kvcache.tiers``;
+    the others keep theirs (the file's defaults for unnamed keys once replaced them: ``remote_ttl_s``, ours,
+    which no FlexKV file names, was dropped)."""
+    from gr_plugin.apps.common import tier_config
+    from gr_plugin.cache.tiers import TierConfig
+
+    path = tmp_path / "flexkv_tiers.yaml"
+    path.write_text("cpu_cache_gb: 2\nenable_3rd_remote: true\nredis_host: cache\nredis_port: 6380\n")
+    tiers = TierConfig(cpu_cache_gb=0.5, ssd_cache_gb=1.0, ssd_cache_dir=str(tmp_path / "ssd"), remote_ttl_s=60,
+                       task_timeout_s=0.5)
+    got = tier_config(KVCacheOptions(backend="flexkv", tiers=tiers, tier_config=str(path)))
+    assert (got.cpu_cache_gb, got.enable_3rd_remote, got.remote_url) == (2.0, True, "redis://cache:6380/0")
+    assert (got.remote_ttl_s, got.ssd_cache_gb, got.ssd_cache_dir, got.task_timeout_s) == \
+        (60, 1.0, str(tmp_path / "ssd"), 0.5)
+    path.write_text("cpu_cache_gb: 2\nwrite_back: true\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['write_back'\]"):
+        tier_config(KVCacheOptions(backend="flexkv", tiers=tiers, tier_config=str(path)))

@@ -87,33 +87,38 @@ def test_redis_round_trip_and_a_second_replica_hits(tmp_path, redis_url):
     b.check()
 
 
-def test_remote_pages_expire_after_remote_ttl_s_without_a_read(tmp_path, redis_url):
-    """``remote_ttl_s`` reaches the Redis tier: written pages carry the TTL (none without it), a read
-    renews it, and once expired a replica misses instead of reading them."""
+def test_remote_ttl_s_reaches_the_redis_tier(tmp_path, redis_url):
+    """``remote_ttl_s`` reaches the Redis tier: written pages carry the TTL (none without it), a replica's
+    read renews it, and once they expire (forced here) a replica misses instead of reading them."""
     import redis
 
     client = redis.Redis.from_url(redis_url)  # (the fixture empties the database)
-    a = make(tmp_path / "a", ssd=False, redis_url=redis_url, remote_ttl_s=4)
+    managers = [make(tmp_path / n, ssd=False, redis_url=redis_url, remote_ttl_s=3600) for n in "abc"]
+    a, b, c = managers
     run_step(a, [21], [history_tokens(21, 13)])
     settle(a)
     keys = list(client.scan_iter("*"))
     assert a.stats()["remote_pages_written"] == 3 and len(keys) == 3
-    assert all(0 < client.pttl(k) <= 4000 for k in keys)
-    time.sleep(1.5)
-    b = make(tmp_path / "b", ssd=False, redis_url=redis_url, remote_ttl_s=4)
+    assert all(3500 < client.ttl(k) <= 3600 for k in keys)
+    for k in keys:
+        client.expire(k, 100)
     lk, _ = run_step(b, [21], [history_tokens(21, 14)])
     assert lk.tier_tokens["remote"] == [12]
-    assert all(client.pttl(k) > 2600 for k in keys)  # the read renewed them (1.5 s after the write)
-    time.sleep(4.2)
-    c = make(tmp_path / "c", ssd=False, redis_url=redis_url, remote_ttl_s=4)
+    assert all(client.ttl(k) > 3500 for k in keys)  # the read renewed them
+    for k in keys:
+        client.pexpire(k, 1)
+    time.sleep(0.05)
     lk, plan = run_step(c, [21], [history_tokens(21, 14)])
     assert lk.tier_tokens["remote"] == [0] and plan.new_lengths == [14]
     settle(c)
     client.flushall()
     plain = make(tmp_path / "d", ssd=False, redis_url=redis_url)
+    managers.append(plain)
     run_step(plain, [22], [history_tokens(22, 9)])
     settle(plain)
-    assert [client.pttl(k) for k in client.scan_iter("*")] == [-1, -1]  # no TTL: the pages stay
+    assert [client.ttl(k) for k in client.scan_iter("*")] == [-1, -1]  # no TTL: the pages stay
+    for m in managers:
+        m.close()
 
 
 def test_a_step_counts_the_tokens_its_own_read_brought_up_from_the_ssd(tmp_path):

@@ -1,7 +1,8 @@
 """Tier configuration in FlexKV's user-facing form.
 
 Owns `TierConfig` (the sizes, places and policies of the host, SSD and remote tiers),
-`load_tier_config` (a YAML file or a mapping, unknown keys rejected) and `tier_config_to_yaml`.
+`load_tier_config` (a YAML file or a mapping, unknown keys rejected), `tier_keys` (the keys such a source
+names: what it overrides) and `tier_config_to_yaml`.
 FlexKV's keys keep their meaning: ``cpu_cache_gb``, ``ssd_cache_gb``, ``ssd_cache_dir``,
 ``enable_3rd_remote``. FlexKV names the remote address differently across versions and
 deployments; ``remote_url`` is this project's name, and ``remote_cache_address`` (``host:port`` or a
@@ -35,8 +36,12 @@ class TierConfig:
     ``remote_write_through``: pages also go to the remote tier as they are written to SSD.
     ``fail_open``: a failing lower tier turns into misses instead of errors. ``task_timeout_s``: the
     longest a caller waits for a lower-tier transfer before treating it as a miss. ``remote_ttl_s``
-    (None: never): the remote tier's pages expire after this many seconds without a read (a read
-    renews it), so the pages of namespaces no longer read (older weights) leave a shared server.
+    (None: never): a remote page expires this many seconds after it was last written to or read from
+    Redis, so the pages of namespaces no longer read (older weights) leave a shared server. A user
+    served from a replica's device, host or SSD tier reads nothing from Redis and does not renew its
+    pages there: choose it well above the time a user stays on one replica (hours or a day), or a
+    user moved to another replica after that finds no pages there and is recomputed. Needs Redis >=
+    6.2 (reads renew the TTL through GETEX).
     """
 
     cpu_cache_gb: float = 1.0
@@ -145,13 +150,20 @@ def _remote_url_from_aliases(raw: dict[str, Any]) -> str | None:
 
 
 def load_tier_config(source: str | os.PathLike | Mapping[str, Any] | TierConfig) -> TierConfig:
-    """A `TierConfig` from a YAML file path or a mapping (a dict or an OmegaConf ``DictConfig``).
+    """A `TierConfig` from a YAML file path or a mapping (a dict or an OmegaConf ``DictConfig``); the
+    keys it does not name take their defaults.
 
     Unknown keys raise `ValueError` naming them; aliases of ``remote_url`` are resolved (giving an
     alias and a different ``remote_url`` is an error).
     """
     if isinstance(source, TierConfig):
         return source
+    return TierConfig(**tier_keys(source))
+
+
+def tier_keys(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """The `TierConfig` fields a YAML file path or a mapping names, as `load_tier_config` reads them (aliases
+    resolved, unknown keys refused), without the defaults of those it does not name: what it overrides."""
     if isinstance(source, str | os.PathLike):
         import yaml
         from omegaconf import OmegaConf
@@ -182,7 +194,7 @@ def load_tier_config(source: str | os.PathLike | Mapping[str, Any] | TierConfig)
     if unknown:
         raise ValueError(f"tier config: unknown key(s) {unknown}; known keys are {sorted(known)} "
                          f"(+ aliases {list(_ALIASES)})")
-    return TierConfig(**raw)
+    return raw
 
 
 def tier_config_to_yaml(config: TierConfig) -> str:

@@ -37,7 +37,8 @@ def test_flexkv_yaml_loads(tmp_path):
 def test_yaml_round_trip(tmp_path):
     cfg = TierConfig(cpu_cache_gb=0.5, ssd_cache_gb=2, ssd_cache_dir=str(tmp_path), enable_3rd_remote=True,
                      remote_url="redis://cache:6379/3", ssd_num_threads=8, ssd_o_direct=False,
-                     write_policy="on_evict", remote_write_through=False, fail_open=False, task_timeout_s=0.25)
+                     write_policy="on_evict", remote_write_through=False, fail_open=False, task_timeout_s=0.25,
+                     remote_ttl_s=86400)
     path = tmp_path / "out.yaml"
     path.write_text(tier_config_to_yaml(cfg))
     assert load_tier_config(path) == cfg
