@@ -18,7 +18,7 @@ import torch
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.hashing import module_namespace
-from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, tier_keys
+from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, redact, tier_keys
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
 from gr_plugin.data import RecDataModule
@@ -72,9 +72,9 @@ def tier_config(opts: KVCacheOptions) -> TierConfig:
     logger.info("kvcache=flexkv: %s; gr_plugin's built-in tiered engine serves (host %.2f GB, SSD %.2f GB at %r, "
                 "remote %s)", "the FlexKV library is importable but has no adapter here" if found
                 else "the FlexKV library is not installed", tiers.cpu_cache_gb, tiers.ssd_cache_gb,
-                tiers.ssd_cache_dir, (f"{tiers.remote_url}, pages expire {tiers.remote_ttl_s} s after their last "
-                                      "write or read there" if tiers.remote_ttl_s else tiers.remote_url)
-                if tiers.enable_3rd_remote else "off")
+                tiers.ssd_cache_dir, (f"{redact(tiers.remote_url)}, pages expire {tiers.remote_ttl_s} s after "
+                                      "their last write or read there" if tiers.remote_ttl_s
+                                      else redact(tiers.remote_url)) if tiers.enable_3rd_remote else "off")
     return tiers
 
 

@@ -36,6 +36,7 @@ from gr_plugin.apps.common import (
     pick_device,
     resolve_backend,
 )
+from gr_plugin.cache.tiers.flexkv_config import redact
 from gr_plugin.configs.schema import InferConfig, TrainConfig, WeightsConfig
 from gr_plugin.inference import RankingEngine
 from gr_plugin.lightning import HSTURankingModule
@@ -227,8 +228,8 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
 
 def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], cfg: InferConfig) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "config": OmegaConf.to_container(
-        OmegaConf.structured(cfg))}, indent=2, default=str))
+    config = redact(OmegaConf.to_container(OmegaConf.structured(cfg)))  # (no password of a remote tier's URL)
+    (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "config": config}, indent=2, default=str))
     keys = sorted({k for r in rows for k in r})
     with open(out_dir / "batches.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)

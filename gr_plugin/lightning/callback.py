@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -45,7 +47,7 @@ from typing_extensions import override
 from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.hashing import module_namespace
-from gr_plugin.cache.tiers.flexkv_config import TierConfig
+from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, redact
 from gr_plugin.inference import RankingEngine
 from gr_plugin.modules import KVCacheModule
 from gr_plugin.modules.kv_cache import BACKENDS
@@ -61,8 +63,10 @@ _LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_reused_ssd
 class KVCacheCallback(Callback):
     """Args:
         backend: ``"gpu"`` (device pages only), ``"native"`` (device pages + pinned host tier) or
-            ``"flexkv"`` (+ SSD and remote tiers as ``tiers`` says).
-        page_size, num_pages: device pages; host_cache_gb: the host tier's capacity.
+            ``"flexkv"`` (+ SSD and remote tiers as ``tiers`` says: a `TierConfig`, a mapping of its
+            keys or a FlexKV tier YAML file's path, checked here).
+        page_size, num_pages: device pages; host_cache_gb: the host tier's capacity (default 0.25, or
+            ``tiers.cpu_cache_gb`` where ``tiers`` is given; both given must agree).
         dtype: cache dtype (default: the dtype the model computes K/V in: the autocast dtype under a
             mixed-precision trainer, ``precision="bf16-mixed"`` or ``"16-mixed"``, else the parameters').
         namespace: identity salt (e.g. a model name); the cache's namespace adds a fingerprint of the
@@ -74,9 +78,10 @@ class KVCacheCallback(Callback):
     """
 
     def __init__(self, backend: str = "native", *, page_size: int = 32, num_pages: int = 1024,
-                 host_cache_gb: float = 0.25, dtype: str | None = None, namespace: str = "gr_plugin",
+                 host_cache_gb: float | None = None, dtype: str | None = None, namespace: str = "gr_plugin",
                  write_through: bool = True, stages: tuple[str, ...] = _STAGES,
-                 tiers: TierConfig | None = None, cuda_graphs: bool = True) -> None:
+                 tiers: TierConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+                 cuda_graphs: bool = True) -> None:
         super().__init__()
         for s in stages:
             if s not in _STAGES:
@@ -87,8 +92,20 @@ class KVCacheCallback(Callback):
         for name, value in (("page_size", page_size), ("num_pages", num_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCacheCallback {name} must be a positive int, got {value!r}")
-        if isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, int | float) or not host_cache_gb >= 0:
+        if host_cache_gb is not None and (isinstance(host_cache_gb, bool) or not isinstance(host_cache_gb, int | float)
+                                          or not host_cache_gb >= 0):
             raise ValueError(f"KVCacheCallback host_cache_gb must be a number >= 0, got {host_cache_gb!r}")
+        if tiers is not None:
+            if backend != "flexkv":
+                raise ValueError(f"KVCacheCallback tiers apply to backend='flexkv' (its SSD and remote tiers), got "
+                                 f"backend={backend!r}")
+            tiers = load_tier_config(tiers)
+            if host_cache_gb is not None and float(host_cache_gb) != tiers.cpu_cache_gb:
+                raise ValueError(f"KVCacheCallback host_cache_gb={host_cache_gb!r} disagrees with "
+                                 f"tiers.cpu_cache_gb={tiers.cpu_cache_gb!r} (the host tier's size: give one)")
+            host_cache_gb = tiers.cpu_cache_gb
+        elif host_cache_gb is None:
+            host_cache_gb = 0.25
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"KVCacheCallback dtype must be None or one of {sorted(DTYPES)}, got {dtype!r}")
         if not isinstance(namespace, str) or not namespace:
@@ -136,7 +153,8 @@ class KVCacheCallback(Callback):
         # written outside it (fit's validation runs under no_grad) nor by the offload's copy thread.
         with torch.inference_mode(False):
             cache = KVCacheModule(probe, self.backend, write_through=self.write_through, tiers=self.tiers)
-        logger.info("KV cache on %s: %s", param.device, cache.extra_repr())
+        logger.info("KV cache on %s: %s%s", param.device, cache.extra_repr(),
+                    f"; tiers {redact(self.tiers.to_dict())}" if self.tiers is not None else "")
         return cache
 
     def _attach(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -153,3 +153,23 @@ def test_a_tier_yaml_overrides_only_the_keys_it_names(tmp_path):
     path.write_text("cpu_cache_gb: 2\nwrite_back: true\n")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['write_back'\]"):
         tier_config(KVCacheOptions(backend="flexkv", tiers=tiers, tier_config=str(path)))
+
+
+def test_the_tier_log_line_and_the_run_summary_hold_no_password(tmp_path, caplog):
+    """A remote tier's URL may carry a password: the run's log line and summary.json show ``***@``."""
+    import json
+    import logging
+
+    from gr_plugin.apps.common import tier_config
+    from gr_plugin.cache.tiers import TierConfig
+
+    url = "redis://user:s3cret@127.0.0.1:6399/0"
+    with caplog.at_level(logging.INFO, logger="gr_plugin.apps.common"):
+        tier_config(KVCacheOptions(backend="flexkv", tiers=TierConfig(enable_3rd_remote=True, remote_url=url)))
+    assert "redis://***@127.0.0.1:6399/0" in caplog.text and "s3cret" not in caplog.text
+    cfg = tiny_cfg(tmp_path)
+    cfg.kvcache = KVCacheOptions(backend="flexkv", tiers=TierConfig(remote_url=url))
+    infer._write(tmp_path / "out", {"equivalence": "PASS"}, [], cfg)
+    text = (tmp_path / "out" / "summary.json").read_text()
+    assert "s3cret" not in text and json.loads(text)["config"]["kvcache"]["tiers"]["remote_url"] == \
+        "redis://***@127.0.0.1:6399/0"

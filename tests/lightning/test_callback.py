@@ -422,8 +422,28 @@ def test_an_explicit_cache_dtype_that_is_not_what_the_model_computes_is_refused_
     (dict(host_cache_gb=-1), r"host_cache_gb must be a number >= 0, got -1"),
     (dict(dtype="fp16"), r"dtype must be None or one of .*got 'fp16'"),
     (dict(namespace=""), r"namespace must be a non-empty str, got ''"),
+    (dict(tiers={"cpu_cache_gb": 0.01}), r"tiers apply to backend='flexkv' .* got backend='native'"),
+    (dict(backend="flexkv", tiers={"cpu_cache_gb": 0.01, "write_back": True}), r"unknown key\(s\) \['write_back'\]"),
+    (dict(backend="flexkv", tiers={"remote_ttl_s": 0}), r"remote_ttl_s must be an int in \[1, .*got 0"),
+    (dict(backend="flexkv", host_cache_gb=0.5, tiers={"cpu_cache_gb": 0.01}),
+     r"host_cache_gb=0.5 disagrees with tiers.cpu_cache_gb=0.01"),
 ])
 def test_bad_arguments_are_refused_when_the_callback_is_made(kwargs, error):
     """A bad argument fails where the user wrote it, not at the first batch of a later trainer call."""
     with pytest.raises(ValueError, match=error):
         KVCacheCallback(**kwargs)
+
+
+def test_tiers_may_be_a_mapping_or_a_yaml_file_and_set_the_host_size(tmp_path):
+    """``tiers`` as a mapping or a FlexKV tier YAML file's path is read as `load_tier_config` reads it
+    (a mapping used to fail at the first batch: ``'dict' object has no attribute 'write_policy'``), and
+    its ``cpu_cache_gb`` sizes the host tier (the callback's 0.25 GB default used to win silently)."""
+    from gr_plugin.cache.tiers import TierConfig
+
+    cb = KVCacheCallback("flexkv", tiers={"cpu_cache_gb": 0.01, "remote_ttl_s": 60})
+    assert cb.tiers == TierConfig(cpu_cache_gb=0.01, remote_ttl_s=60) and cb.host_cache_gb == 0.01
+    path = tmp_path / "tiers.yaml"
+    path.write_text("cpu_cache_gb: 0.02\nssd_cache_gb: 0.01\nssd_cache_dir: " + str(tmp_path / "ssd") + "\n")
+    cb = KVCacheCallback("flexkv", tiers=str(path), host_cache_gb=0.02)
+    assert cb.tiers.ssd_cache_gb == 0.01 and cb.host_cache_gb == 0.02
+    assert KVCacheCallback("native").host_cache_gb == 0.25 and KVCacheCallback("flexkv").tiers is None

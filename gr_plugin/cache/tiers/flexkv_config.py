@@ -2,7 +2,7 @@
 
 Owns `TierConfig` (the sizes, places and policies of the host, SSD and remote tiers),
 `load_tier_config` (a YAML file or a mapping, unknown keys rejected), `tier_keys` (the keys such a source
-names: what it overrides) and `tier_config_to_yaml`.
+names: what it overrides), `tier_config_to_yaml` and `redact` (a URL's password hidden, for logs and files).
 FlexKV's keys keep their meaning: ``cpu_cache_gb``, ``ssd_cache_gb``, ``ssd_cache_dir``,
 ``enable_3rd_remote``. FlexKV names the remote address differently across versions and
 deployments; ``remote_url`` is this project's name, and ``remote_cache_address`` (``host:port`` or a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,22 @@ WRITE_POLICIES = ("write_through", "on_evict")
 _O_DIRECT = {"auto": "auto", "true": True, "on": True, "false": False, "off": False}
 _ALIASES = ("remote_cache_address", "redis_host", "redis_port", "redis_db")
 _GIB = 1 << 30
+# NOTE: Redis takes a key's expiry as a 64-bit count of ms from now; a TTL past it makes every SET fail.
+MAX_TTL_S = 2**31 - 1  # (68 years)
+_CREDENTIALS = re.compile(r"(?<=://)[^@/\s]*@")
+
+
+def redact(value: Any) -> Any:
+    """``value`` with the credentials of every URL in it (``scheme://user:password@host``) shown as ``***@``;
+    mappings and lists are walked, other values returned as they are. Logs and result files hold this,
+    never a password."""
+    if isinstance(value, str):
+        return _CREDENTIALS.sub("***@", value)
+    if isinstance(value, Mapping):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass
@@ -75,7 +92,7 @@ class TierConfig:
         if not isinstance(self.remote_url, str) or not self.remote_url.startswith(("redis://", "rediss://",
                                                                                      "unix://")):
             raise ValueError(f"TierConfig.remote_url must be a redis://, rediss:// or unix:// URL, "
-                             f"got {self.remote_url!r}")
+                             f"got {redact(self.remote_url)!r}")
         n = self.ssd_num_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ValueError(f"TierConfig.ssd_num_threads must be an int in [1, 256], got {n!r}")
@@ -93,8 +110,9 @@ class TierConfig:
             raise ValueError(f"TierConfig.task_timeout_s must be a number > 0, got {t!r}")
         self.task_timeout_s = float(t)
         ttl = self.remote_ttl_s
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0):
-            raise ValueError(f"TierConfig.remote_ttl_s must be a positive int (seconds) or None, got {ttl!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TTL_S):
+            raise ValueError(f"TierConfig.remote_ttl_s must be an int in [1, {MAX_TTL_S}] (seconds) or None, "
+                             f"got {ttl!r}")
 
     @property
     def cpu_cache_bytes(self) -> int:

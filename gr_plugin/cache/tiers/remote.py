@@ -33,6 +33,7 @@ from urllib.parse import quote
 import torch
 
 from gr_plugin.cache.tiers.burst_log import BurstLog
+from gr_plugin.cache.tiers.flexkv_config import MAX_TTL_S, redact
 from gr_plugin.cache.tiers.page_format import (
     FIXED_BYTES,
     byte_view,
@@ -90,8 +91,10 @@ class RedisPageStore(PageStore):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"RedisPageStore.{name} must be a positive int, got {value!r}")
+        if ttl_s is not None and ttl_s > MAX_TTL_S:
+            raise ValueError(f"RedisPageStore.ttl_s must be at most {MAX_TTL_S} s, got {ttl_s!r}")
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"RedisPageStore.url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+            raise ValueError(f"RedisPageStore.url must be a redis://, rediss:// or unix:// URL, got {redact(url)!r}")
 
         import redis
         from redis.backoff import NoBackoff
@@ -107,7 +110,8 @@ class RedisPageStore(PageStore):
                 retry=Retry(NoBackoff(), 1),
             )
         except ValueError as exc:
-            raise ValueError(f"RedisPageStore.url is not a valid Redis URL: {url!r} ({exc})") from exc
+            raise ValueError(f"RedisPageStore.url is not a valid Redis URL: {redact(url)!r} "
+                             f"({redact(str(exc))})") from exc
         self.url = url
         self.key_prefix = key_prefix
         self.max_batch = max_batch
@@ -125,7 +129,7 @@ class RedisPageStore(PageStore):
 
     # ----------------------------------------------------------------- keys
     def _safe_url(self) -> str:
-        return re.sub(r"//[^@/]*@", "//***@", self.url)  # NOTE: never log a password
+        return redact(self.url)  # NOTE: never log a password
 
     def _user_prefix(self, namespace: str, user_id: int) -> str:
         return f"{self.key_prefix}:{quote(namespace, safe='')}:{user_id}:"

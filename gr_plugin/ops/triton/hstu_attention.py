@@ -342,7 +342,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # GR_PLUGIN_FP32_DOTS (read at import) or a launch's ``fp32_dots`` names another. A CUDA graph, an Inductor
 # trace or an AOTInductor package keeps the precision it was made with.
 FP32_DOT_CHOICES = ("tf32x3", "ieee", "tf32")
-FP32_DOTS = os.environ.get("GR_PLUGIN_FP32_DOTS", "tf32x3")
+FP32_DOTS = os.environ.get("GR_PLUGIN_FP32_DOTS") or "tf32x3"  # (set but empty: the default)
 
 
 def dot_precision(dtype: torch.dtype, fp32_dots: str | None = None) -> str:

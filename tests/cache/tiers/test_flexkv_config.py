@@ -125,3 +125,24 @@ def test_ssd_size_needs_a_directory():
 def test_fields_are_flexkv_names_plus_ours():
     names = [f.name for f in dataclasses.fields(TierConfig)]
     assert names[:4] == ["cpu_cache_gb", "ssd_cache_gb", "ssd_cache_dir", "enable_3rd_remote"]
+
+
+def test_redact_hides_url_credentials_everywhere():
+    from gr_plugin.cache.tiers.flexkv_config import redact
+
+    cfg = {"tiers": {"remote_url": "redis://user:s3cret@cache:6379/0", "n": 3}, "urls": ["rediss://:pw@h:1/2"],
+           "plain": "redis://cache:6379/0"}
+    out = redact(cfg)
+    assert out == {"tiers": {"remote_url": "redis://***@cache:6379/0", "n": 3}, "urls": ["rediss://***@h:1/2"],
+                   "plain": "redis://cache:6379/0"}
+    assert "s3cret" not in repr(out) and cfg["tiers"]["remote_url"].endswith("s3cret@cache:6379/0")  # (a copy)
+
+
+def test_a_ttl_redis_cannot_take_is_refused():
+    """Redis refuses every SET whose expiry overflows its ms clock: such a TTL left the remote tier dead
+    for the whole run, with warnings only."""
+    from gr_plugin.cache.tiers.flexkv_config import MAX_TTL_S
+
+    assert TierConfig(remote_ttl_s=MAX_TTL_S).remote_ttl_s == MAX_TTL_S
+    with pytest.raises(ValueError, match=r"remote_ttl_s must be an int in \[1, 2147483647\] .*got 9{20}"):
+        TierConfig(remote_ttl_s=99999999999999999999)
