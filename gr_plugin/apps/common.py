@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -53,9 +54,13 @@ def make_trainer(opts: TrainerOptions, callbacks: list, **overrides) -> L.Traine
 
 
 def resolve_backend(opts: KVCacheOptions) -> str | None:
-    """Engine that serves a ``kvcache`` option (None: no cache)."""
+    """Engine that serves a ``kvcache`` option (None: no cache). Tiers set for another backend are warned
+    about: only ``flexkv`` reads ``kvcache.tiers`` and ``kvcache.tier_config``."""
     if opts.backend not in BACKENDS:
         raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    if opts.backend != "flexkv" and (opts.tier_config or load_tier_config(opts.tiers) != TierConfig()):
+        warnings.warn(f"kvcache.tiers / kvcache.tier_config apply to the flexkv backend (+kvcache=flexkv); "
+                      f"backend {opts.backend!r} ignores them", UserWarning, stacklevel=2)
     if opts.backend == "none":
         return None
     return opts.backend

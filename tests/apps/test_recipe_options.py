@@ -173,3 +173,21 @@ def test_the_tier_log_line_and_the_run_summary_hold_no_password(tmp_path, caplog
     text = (tmp_path / "out" / "summary.json").read_text()
     assert "s3cret" not in text and json.loads(text)["config"]["kvcache"]["tiers"]["remote_url"] == \
         "redis://***@127.0.0.1:6399/0"
+
+
+def test_tiers_set_for_another_backend_are_warned_about(tmp_path):
+    """Only flexkv reads ``kvcache.tiers`` / ``kvcache.tier_config``: set under another backend they were
+    silently ignored (e.g. a Redis tier asked for under ``native``)."""
+    import warnings
+
+    from gr_plugin.apps.common import resolve_backend
+    from gr_plugin.cache.tiers import TierConfig
+
+    with pytest.warns(UserWarning, match=r"apply to the flexkv backend .*backend 'native' ignores them"):
+        resolve_backend(KVCacheOptions(backend="native", tiers=TierConfig(enable_3rd_remote=True)))
+    with pytest.warns(UserWarning, match=r"backend 'gpu' ignores them"):
+        resolve_backend(KVCacheOptions(backend="gpu", tier_config=str(tmp_path / "t.yaml")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_backend(KVCacheOptions(backend="native")) == "native"
+        assert resolve_backend(KVCacheOptions(backend="flexkv", tiers=TierConfig(remote_ttl_s=60))) == "flexkv"

@@ -142,15 +142,19 @@ def _remote_url_from_aliases(raw: dict[str, Any]) -> str | None:
     port = raw.pop("redis_port", None)
     db = raw.pop("redis_db", None)
     if address is not None and (host is not None or port is not None):
-        raise ValueError(f"tier config: give remote_cache_address={address!r} or redis_host/redis_port, not both")
+        raise ValueError(f"tier config: give remote_cache_address={redact(address)!r} or redis_host/redis_port, "
+                         "not both")
+    if isinstance(address, str) and "://" in address and db is not None:
+        raise ValueError(f"tier config: remote_cache_address={redact(address)!r} is a URL (its path names the "
+                         f"database): redis_db={db!r} would be ignored; give one")
     if address is not None:
         if not isinstance(address, str) or not address:
-            raise ValueError(f"tier config: remote_cache_address must be 'host:port' or a URL, got {address!r}")
+            raise ValueError(f"tier config: remote_cache_address must be 'host:port' or a URL, got {redact(address)!r}")
         if "://" in address:
             return address
         host, _, port_text = address.rpartition(":")
         if not host or not port_text.isdigit():
-            raise ValueError(f"tier config: remote_cache_address must be 'host:port' or a URL, got {address!r}")
+            raise ValueError(f"tier config: remote_cache_address must be 'host:port' or a URL, got {redact(address)!r}")
         port = int(port_text)
     elif host is None:
         if port is not None or db is not None:

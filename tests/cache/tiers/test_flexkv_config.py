@@ -146,3 +146,12 @@ def test_a_ttl_redis_cannot_take_is_refused():
     assert TierConfig(remote_ttl_s=MAX_TTL_S).remote_ttl_s == MAX_TTL_S
     with pytest.raises(ValueError, match=r"remote_ttl_s must be an int in \[1, 2147483647\] .*got 9{20}"):
         TierConfig(remote_ttl_s=99999999999999999999)
+
+
+def test_a_url_address_with_a_separate_database_is_refused():
+    """``remote_cache_address`` as a URL names its database in its path: a ``redis_db`` beside it was
+    silently ignored."""
+    with pytest.raises(ValueError, match=r"remote_cache_address='redis://\*\*\*@h:6380/1' is a URL .*redis_db=3"):
+        load_tier_config({"remote_cache_address": "redis://u:pw@h:6380/1", "redis_db": 3})
+    assert load_tier_config({"remote_cache_address": "redis://h:6380/1"}).remote_url == "redis://h:6380/1"
+    assert load_tier_config({"remote_cache_address": "h:6380", "redis_db": 3}).remote_url == "redis://h:6380/3"
