@@ -58,7 +58,7 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
     about: only ``flexkv`` reads ``kvcache.tiers`` and ``kvcache.tier_config``."""
     if opts.backend not in BACKENDS:
         raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
-    if opts.backend != "flexkv" and (opts.tier_config or load_tier_config(opts.tiers) != TierConfig()):
+    if opts.backend != "flexkv" and (opts.tier_config or opts.tiers != TierConfig()):
         warnings.warn(f"kvcache.tiers / kvcache.tier_config apply to the flexkv backend (+kvcache=flexkv); "
                       f"backend {opts.backend!r} ignores them", UserWarning, stacklevel=2)
     if opts.backend == "none":
@@ -74,12 +74,15 @@ def tier_config(opts: KVCacheOptions) -> TierConfig:
         base.update(tier_keys(opts.tier_config))
     tiers = load_tier_config(base)
     found = importlib.util.find_spec("flexkv") is not None
+    remote = "off"
+    if tiers.enable_3rd_remote:
+        remote = redact(tiers.remote_url)
+        if tiers.remote_ttl_s:
+            remote += f", pages expire {tiers.remote_ttl_s} s after their last write or read there"
     logger.info("kvcache=flexkv: %s; gr_plugin's built-in tiered engine serves (host %.2f GB, SSD %.2f GB at %r, "
                 "remote %s)", "the FlexKV library is importable but has no adapter here" if found
                 else "the FlexKV library is not installed", tiers.cpu_cache_gb, tiers.ssd_cache_gb,
-                tiers.ssd_cache_dir, (f"{redact(tiers.remote_url)}, pages expire {tiers.remote_ttl_s} s after "
-                                      "their last write or read there" if tiers.remote_ttl_s
-                                      else redact(tiers.remote_url)) if tiers.enable_3rd_remote else "off")
+                tiers.ssd_cache_dir, remote)
     return tiers
 
 

@@ -12,6 +12,7 @@ import triton
 from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention as tri
 
+from .launch_spy import spy_launches
 from .paged_inputs import scatter_into_pages
 
 ALPHA, NORM = 0.35, 16.0
@@ -100,16 +101,9 @@ def test_interpreter_fp32_tiles_match_reference(which, dim, page_size, monkeypat
         pytest.skip("covered by the GPU test")
     jag, paged = build([37, 0, 90], [3, 2, 1], [20, 0, 64], page_size, 2, dim, torch.float32, "cpu")
     args = jag if which == "jagged" else paged
-    took, real = [], tri._hstu_fwd
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                took.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]))
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(tri, "_hstu_fwd", Spy())
+    took = []
+    spy_launches(monkeypatch, tri, "_hstu_fwd",
+                 lambda grid, kw: took.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])))
     got = run(tri, which, args)
     assert took == [tri._blocks(dim, torch.float32, which == "paged", torch.device("cpu"))]
     assert took[0] == {64: (32, 64, 4, 1), 256: (16, 32, 4, 1), 16: (32, 32, 4, 1) if which == "paged"
@@ -124,16 +118,8 @@ def test_fp32_dot_precision_reaches_the_kernel_and_bad_ones_are_refused(monkeypa
     if torch.cuda.is_available():
         pytest.skip("runs the kernel through the interpreter (CPU tensors)")
     jag, paged = build([37, 0, 9], [3, 2, 1], [20, 0, 4], 8, 2, 16, torch.float32, "cpu")
-    took, real = [], tri._hstu_fwd
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                took.append(kw["DOTS"])
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(tri, "_hstu_fwd", Spy())
+    took = []
+    spy_launches(monkeypatch, tri, "_hstu_fwd", lambda grid, kw: took.append(kw["DOTS"]))
     monkeypatch.setattr(tri, "FP32_DOTS", "tf32x3")  # (the default; GR_PLUGIN_FP32_DOTS may name another)
     for which, args in (("jagged", jag), ("paged", paged)):
         want = run(ref, which, args)
@@ -671,18 +657,13 @@ def test_paged_launch_names_what_the_launch_takes(monkeypatch):
     _, paged = build([400, 0, 300], [3, 2, 9], [20, 0, 30], 8, 2, 16, torch.float16, "cpu")
     args = {**paged, "max_q_len": 64}
     took = []
-    real = tri._hstu_fwd
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                block_m = kw["BLOCK_M"]
-                took.append(((block_m, kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]),
-                             grid[0] // -(-64 // block_m)))  # the grid: query blocks x splits
-                return real[grid](*a, **kw)
-            return launch
+    def record(grid, kw):
+        block_m = kw["BLOCK_M"]
+        took.append(((block_m, kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]),
+                     grid[0] // -(-64 // block_m)))  # the grid: query blocks x splits
 
-    monkeypatch.setattr(tri, "_hstu_fwd", Spy())
+    spy_launches(monkeypatch, tri, "_hstu_fwd", record)
     run(tri, "paged", args)
     assert took[0][1] > 1  # a split launch
     assert tri.paged_launch(paged["q"].shape[0], 3, 2, 64, paged["max_history_len"], 16, torch.float16,

@@ -11,6 +11,7 @@ import torch
 from gr_plugin.ops.pytorch import hstu_attention as ref
 from gr_plugin.ops.triton import hstu_attention_bwd as bwd
 
+from .launch_spy import spy_launches
 from .test_triton_attention import ALPHA, NORM, build, interpreter_only
 
 CASES = [  # history lengths, candidates
@@ -34,6 +35,14 @@ def _reference_grads(jag, dout, dtype):
                                     max_seq_len=jag["max_seq_len"])
     out.backward(dout.to(dtype))
     return [t.grad for t in leaves]
+
+
+def _assert_within_twice_the_torch_error(got, low, exact):
+    """Each gradient's max abs error against ``exact`` at most 2x the same-precision torch reference's
+    (``low``), + 1e-6."""
+    for name, a, t, e in zip("qkv", got, low, exact):
+        err, err_torch = (a.to(e.dtype) - e).abs().max().item(), (t.to(e.dtype) - e).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
 
 
 def _kernel_grads(jag, dout, dtype, tiles=None, fp32_dots=None):
@@ -60,10 +69,7 @@ def test_interpreter_fp16_gradients_within_twice_the_torch_reference():
     jag, dout = _inputs([37, 0, 90], [3, 2, 1], 2, 32, torch.float16, "cpu")
     exact = _reference_grads(jag, dout, torch.float64)
     low = _reference_grads(jag, dout, torch.float16)
-    got = _kernel_grads(jag, dout, torch.float16)
-    for name, a, t, e in zip("qkv", got, low, exact):
-        err, err_torch = (a.double() - e).abs().max().item(), (t.double() - e).abs().max().item()
-        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
+    _assert_within_twice_the_torch_error(_kernel_grads(jag, dout, torch.float16), low, exact)
 
 
 @interpreter_only
@@ -101,14 +107,7 @@ def test_only_the_gradients_asked_for_are_computed(monkeypatch):
     jag, dout = _inputs([30, 7], [3, 2], 2, 16, torch.float32, "cpu")
     launched = []
     for name in ("_bwd_dkdv", "_bwd_dq"):
-        real = getattr(bwd, name)
-
-        class Spy:
-            def __getitem__(self, grid, _real=real, _name=name):
-                launched.append(_name)
-                return _real[grid]
-
-        monkeypatch.setattr(bwd, name, Spy())
+        spy_launches(monkeypatch, bwd, name, lambda grid, kw, _name=name: launched.append(_name))
     q = jag["q"].clone().requires_grad_()
     out = bwd.hstu_attention_jagged(q, jag["k"], jag["v"], jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,
                                     n_norm=NORM, max_seq_len=jag["max_seq_len"])
@@ -160,16 +159,7 @@ def test_fp32_dot_precision_reaches_both_kernels(monkeypatch):
     jag, dout = _inputs([30, 7], [3, 2], 2, 16, torch.float32, "cpu")
     took = []
     for name in ("_bwd_dkdv", "_bwd_dq"):
-        real = getattr(bwd, name)
-
-        class Spy:
-            def __getitem__(self, grid, _real=real):
-                def launch(*a, **kw):
-                    took.append(kw["DOTS"])
-                    return _real[grid](*a, **kw)
-                return launch
-
-        monkeypatch.setattr(bwd, name, Spy())
+        spy_launches(monkeypatch, bwd, name, lambda grid, kw: took.append(kw["DOTS"]))
     exact = _reference_grads(jag, dout, torch.float64)
     for given, dots in ((None, "tf32x3"), ("ieee", "ieee")):
         took.clear()
@@ -223,10 +213,8 @@ def test_gpu_gradient_error_within_twice_the_torch_reference(dim, dtype, fp32_do
     exact = _reference_grads(jag, dout, oracle)
     low = _reference_grads(jag, dout, dtype)
     got = _kernel_grads(jag, dout, dtype, fp32_dots=fp32_dots)
-    for name, a, t, e in zip("qkv", got, low, exact):
-        assert a.dtype == dtype and not a.isnan().any()
-        err, err_torch = (a.to(oracle) - e).abs().max().item(), (t.to(oracle) - e).abs().max().item()
-        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
+    assert all(a.dtype == dtype and not a.isnan().any() for a in got)
+    _assert_within_twice_the_torch_error(got, low, exact)
     again = _kernel_grads(jag, dout, dtype, fp32_dots=fp32_dots)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
@@ -251,9 +239,7 @@ def test_gpu_small_device_tiles_error_within_twice_the_torch_reference(monkeypat
     exact = _reference_grads(jag, dout, torch.float32)
     low = _reference_grads(jag, dout, torch.bfloat16)
     got = _kernel_grads(jag, dout, torch.bfloat16)
-    for name, a, t, e in zip("qkv", got, low, exact):
-        err, err_torch = (a.float() - e).abs().max().item(), (t.float() - e).abs().max().item()
-        assert err <= 2 * err_torch + 1e-6, (name, err, err_torch)
+    _assert_within_twice_the_torch_error(got, low, exact)
     assert all(torch.equal(a, b) for a, b in zip(got, _kernel_grads(jag, dout, torch.bfloat16)))
 
 
