@@ -40,6 +40,8 @@ from gr_plugin.cache.tiers.types import PageKey, PageStore, aligned_empty
 logger = logging.getLogger(__name__)
 
 _FETCHED_KEPT = 256  # finished tasks whose published pages a step may still ask for (`take_fetched`)
+_RENEWED_KEPT = 1 << 18  # users whose last remote renewal is remembered (one forgotten renews at once)
+_now = time.monotonic  # (the renewal clock; a test moves it)
 
 
 class TaskState(enum.Enum):
@@ -104,12 +106,14 @@ class TieredBackend(HostTier):
         self._writes: list[tuple[Key, Future]] = []  # write-downs in flight, per user
         self._write_lock = threading.Lock()
         self._task_ids = itertools.count(1)
+        self._renewed: collections.OrderedDict[Key, float] = collections.OrderedDict()  # last remote renewal
+        self._renew_pool: ThreadPoolExecutor | None = None
         self._tier_counters = {
             "tasks_launched": 0, "tasks_ready": 0, "tasks_failed": 0, "tasks_timed_out": 0,
             "tasks_cancelled": 0, "task_latency_s_sum": 0.0, "task_latency_s_max": 0.0,
             "ssd_pages_fetched": 0, "remote_pages_fetched": 0, "fetch_pages_failed": 0,
             "ssd_pages_written": 0, "remote_pages_written": 0, "lower_writes_failed": 0,
-            "lower_writes_skipped": 0,
+            "lower_writes_skipped": 0, "remote_renewals": 0, "remote_pages_renewed": 0,
         }
 
     @property
@@ -167,6 +171,67 @@ class TieredBackend(HostTier):
             best = max(best, got)
             out[name] = best
         return out
+
+    def match_many(self, keys: list[Key], tokens: torch.Tensor, offsets: list[int], seed: int,
+                   device_tokens: list[int], page_size: int) -> tuple[list[dict[str, int]], list[int]]:
+        tiers, versions = super().match_many(keys, tokens, offsets, seed, device_tokens, page_size)
+        self._renew_remote(keys, tokens, offsets, seed, device_tokens, tiers)
+        return tiers, versions
+
+    @property
+    def renew_interval_s(self) -> float | None:
+        """How often a user's remote pages are renewed at most (a quarter of the remote TTL), or
+        None: no remote tier, or its pages never expire."""
+        ttl = getattr(self._remote, "ttl_s", None)
+        return ttl / 4 if ttl else None
+
+    def _renew_remote(self, keys: list[Key], tokens: torch.Tensor, offsets: list[int], seed: int,
+                      device_tokens: list[int], tiers: list[dict[str, int]]) -> None:
+        """Restart the remote TTL of the pages a lookup finds above the remote tier (on the device,
+        host or SSD): a replica serving a user from its own tiers reads nothing from Redis, which
+        would otherwise let the user's pages there expire while the user is active. At most once a
+        `renew_interval_s` per user, off the caller's thread; pages the lookup will read from Redis
+        are renewed by that read. So a page outlives its user's last lookup on any replica by at
+        least 3/4 of the TTL (while the server is reachable)."""
+        interval = self.renew_interval_s
+        if interval is None:
+            return
+        P, now, due = self.config.page_size, _now(), []
+        for b, key in enumerate(keys):
+            full = (offsets[b + 1] - offsets[b]) // P
+            t = tiers[b]
+            upper = min(full, max(device_tokens[b] // P, t.get("host", 0), t.get("ssd", 0)))
+            last = self._renewed.get(key)
+            if upper == 0 or (last is not None and now - last < interval):
+                continue
+            self._renewed[key] = now
+            self._renewed.move_to_end(key)
+            due.append((key, tokens[offsets[b] : offsets[b] + upper * P].clone(), upper))
+        while len(self._renewed) > _RENEWED_KEPT:
+            self._renewed.popitem(last=False)
+        if not due:
+            return
+        remote = self._remote
+        assert remote is not None
+
+        def run() -> None:
+            for key, rows, upper in due:
+                hashes = request_page_hashes(rows, 0, upper, P, seed)
+                try:
+                    n = remote.renew([PageKey(key[0], key[1], i, h) for i, h in enumerate(hashes)])
+                except Exception:  # (the store answers 0 for I/O errors; this is e.g. a closed store)
+                    logger.warning("renewing the remote pages of user %s failed", key[1], exc_info=True)
+                    n = 0
+                with self._write_lock:
+                    self._tier_counters["remote_renewals"] += 1
+                    self._tier_counters["remote_pages_renewed"] += n
+
+        if self._renew_pool is None:
+            # NOTE: its own thread: a renewal never queues ahead of a fetch a step waits for.
+            self._renew_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gr-kv-renew")
+        future = self._renew_pool.submit(run)
+        with self._write_lock:
+            self._writes.extend((key, future) for key, _, _ in due)
 
     def prefetch(self, requests) -> int | None:
         """One batched task reading, for each request whose lower tiers hold more than the host,
@@ -393,12 +458,14 @@ class TieredBackend(HostTier):
         super().evict(key)
         if self._stores():
             self._wait_writes(key)  # NOTE: a write-down still queued would put the user back after the evict
+        self._renewed.pop(key, None)
         for _, store in self._stores():
             store.evict_user(key[0], key[1])
 
     def clear(self) -> None:
         super().clear()
         self.flush_writes()
+        self._renewed.clear()
         for _, store in self._stores():
             store.clear()
 
@@ -422,6 +489,8 @@ class TieredBackend(HostTier):
             if task.state == TaskState.LAUNCHED:
                 self._abandon(task, TaskState.CANCELLED)
         self._pool.shutdown(wait=True)
+        if self._renew_pool is not None:
+            self._renew_pool.shutdown(wait=True)
         for task in list(self._tasks.values()):
             self._finalize(task)
         for _, store in self._stores():

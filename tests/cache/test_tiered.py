@@ -121,6 +121,55 @@ def test_remote_ttl_s_reaches_the_redis_tier(tmp_path, redis_url):
         m.close()
 
 
+def test_remote_pages_of_a_user_served_from_its_replicas_own_tiers_are_renewed(tmp_path, redis_url, monkeypatch):
+    """A replica serving a user from its device or host tier reads nothing from Redis; it renews the
+    user's remote TTL instead, at most once a quarter of the TTL, for the pages above the remote tier."""
+    import redis
+
+    from gr_plugin.cache import tiered
+
+    clock = [1000.0]
+    monkeypatch.setattr(tiered, "_now", lambda: clock[0])
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path, ssd=False, redis_url=redis_url, remote_ttl_s=3600)
+    assert m.backend.renew_interval_s == 900
+    run_step(m, [21], [history_tokens(21, 13)])  # (a new user: nothing to renew)
+    settle(m)
+    assert client.dbsize() == 3 and m.stats()["remote_renewals"] == 0
+
+    def served_again(length):
+        """The TTLs, after a step of ``length`` history tokens, of the pages Redis held before it
+        (each set to 100 s first)."""
+        held = list(client.scan_iter("*"))
+        for k in held:
+            client.expire(k, 100)
+        _, plan = run_step(m, [21], [history_tokens(21, length)])
+        settle(m)
+        assert m.stats()["remote_hits"] == 0  # (nothing read from Redis)
+        return [client.ttl(k) for k in held], plan.onboard_tokens
+
+    assert all(t > 3500 for t in served_again(14)[0])  # device hit, first sight: renewed
+    assert m.stats()["remote_renewals"] == 1 and m.stats()["remote_pages_renewed"] == 3
+    clock[0] += 899
+    assert all(t <= 100 for t in served_again(15)[0])  # within the interval: not again
+    clock[0] += 1
+    assert all(t > 3500 for t in served_again(16)[0])
+    m.evict([21])  # device pages gone: the next step's hit is the host tier's
+    clock[0] += 900
+    ttls, onboarded = served_again(17)
+    assert onboarded == [16] and len(ttls) == 4 and all(t > 3500 for t in ttls)
+    assert m.stats()["remote_renewals"] == 3 and m.stats()["remote_pages_renewed"] == 3 + 3 + 4
+    m.close()
+
+    plain = make(tmp_path / "plain", ssd=False, redis_url=redis_url)  # no TTL: nothing to renew
+    assert plain.backend.renew_interval_s is None
+    run_step(plain, [21], [history_tokens(21, 18)])
+    run_step(plain, [21], [history_tokens(21, 19)])
+    settle(plain)
+    assert plain.stats()["remote_renewals"] == 0 and plain.stats()["remote_round_trips"] >= 1
+    plain.close()
+
+
 def test_a_step_counts_the_tokens_its_own_read_brought_up_from_the_ssd(tmp_path):
     m = make(tmp_path, host_pages=6)
     run_step(m, [1], [history_tokens(1, 16)])

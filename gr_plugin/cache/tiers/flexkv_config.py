@@ -53,12 +53,12 @@ class TierConfig:
     ``remote_write_through``: pages also go to the remote tier as they are written to SSD.
     ``fail_open``: a failing lower tier turns into misses instead of errors. ``task_timeout_s``: the
     longest a caller waits for a lower-tier transfer before treating it as a miss. ``remote_ttl_s``
-    (None: never): a remote page expires this many seconds after it was last written to or read from
-    Redis, so the pages of namespaces no longer read (older weights) leave a shared server. A user
-    served from a replica's device, host or SSD tier reads nothing from Redis and does not renew its
-    pages there: choose it well above the time a user stays on one replica (hours or a day), or a
-    user moved to another replica after that finds no pages there and is recomputed. Needs Redis >=
-    6.2 (reads renew the TTL through GETEX).
+    (None: never): a remote page expires this many seconds after it was last written, read or
+    renewed, so the pages of namespaces no longer read (older weights) leave a shared server. A
+    replica serving a user from its device, host or SSD tier reads nothing from Redis; it renews the
+    user's pages there instead (`TieredBackend`, at most once a quarter of the TTL per user, in the
+    background), so a page outlives its user's last lookup on any replica by at least 3/4 of the TTL
+    while the server is reachable. Needs Redis >= 6.2 (reads renew the TTL through GETEX).
     """
 
     cpu_cache_gb: float = 1.0

@@ -59,7 +59,8 @@ class RedisPageStore(PageStore):
     """Pages in a Redis server at ``url``, under keys starting with ``key_prefix``.
 
     ``socket_timeout_s`` bounds every call and connect; ``max_batch`` keys go in one pipelined
-    round trip; ``ttl_s`` (None: no expiry) expires pages not read for that long (a read renews it);
+    round trip; ``ttl_s`` (None: no expiry) expires a page that long after its last write, read or
+    `renew`;
     ``retry_after_s``: after an error, calls answer False / 0 at once for this long;
     ``page_bytes`` (optional) checks every tensor row. Raises `ValueError` for bad arguments;
     an unreachable server is not an error here (the store fails open).
@@ -123,7 +124,7 @@ class RedisPageStore(PageStore):
         self._errors = BurstLog(logger, f"Redis page store {self._safe_url()}")
         self._counters: dict[str, float] = dict.fromkeys(
             ("hits", "misses", "pages_written", "put_failed", "corruptions", "errors", "skipped_while_down",
-             "bytes_read", "bytes_written", "round_trips", "in_flight"), 0)
+             "bytes_read", "bytes_written", "round_trips", "in_flight", "pages_renewed", "renew_failed"), 0)
         self._counters.update(get_latency_s=0.0, put_latency_s=0.0, match_latency_s=0.0)
         self._closed = False
 
@@ -280,6 +281,25 @@ class RedisPageStore(PageStore):
         self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
                     get_latency_s=time.perf_counter() - start)
         return results
+
+    def renew(self, keys: list[PageKey]) -> int:
+        """Restart the TTL of the pages of ``keys`` (pipelined EXPIRE); how many the server holds.
+        Without a ``ttl_s`` nothing expires, and nothing is sent (0)."""
+        if not self.ttl_s or not keys or not self._available():
+            return 0
+        renewed = 0
+        try:
+            for replies in self._pipelined(("expire", (self.key_name(k), self.ttl_s), {}) for k in keys):
+                renewed += sum(1 for r in replies if r is True or r == 1)
+                refused = next((r for r in replies if isinstance(r, BaseException)), None)
+                if refused is not None:
+                    raise refused
+            self._errors.success()
+        except self._errors_types as exc:
+            self._failed("EXPIRE", exc, back_off=not isinstance(exc, self._redis.exceptions.ResponseError))
+            self._count(renew_failed=len(keys) - renewed)
+        self._count(pages_renewed=renewed)
+        return renewed
 
     @staticmethod
     def _check_value(value: bytes, key: PageKey, code: int, row: int) -> str | None:

@@ -167,6 +167,35 @@ def test_ttl_is_set_and_renewed(redis_url, client):
     s.close()
 
 
+def test_renew_restarts_the_ttl_of_held_pages_only(redis_url, client):
+    s = RedisPageStore(redis_url, ttl_s=100, max_batch=2)
+    keys = user_keys(1, 3)
+    s.put_many(keys[:2], random_pages(2))
+    for k in keys[:2]:
+        client.expire(s.key_name(k), 5)
+    assert s.renew(keys) == 2  # (three round trips of two keys at most)
+    assert [client.ttl(s.key_name(k)) for k in keys] == [100, 100, -2]  # the missing page is not created
+    assert s.stats()["pages_renewed"] == 2 and s.renew([]) == 0
+    plain = RedisPageStore(redis_url)  # no TTL: nothing is sent, nothing gets one
+    trips = plain.stats()["round_trips"]
+    assert plain.renew(keys) == 0 and plain.stats()["round_trips"] == trips
+    plain.put_many(keys[2:], random_pages(1))
+    assert plain.renew(keys[2:]) == 0 and client.ttl(s.key_name(keys[2])) == -1
+    s.close()
+    plain.close()
+
+
+def test_renew_on_a_dead_server_answers_0_and_backs_off(redis_server, redis_url):
+    s = RedisPageStore(redis_url, ttl_s=100, retry_after_s=60)
+    keys = user_keys(1, 2)
+    redis_server.kill()
+    assert s.renew(keys) == 0
+    assert s.stats()["renew_failed"] == 2 and s.stats()["errors"] == 1
+    assert s.renew(keys) == 0 and s.stats()["skipped_while_down"] == 1  # not even tried
+    redis_server.restart()
+    s.close()
+
+
 @pytest.mark.parametrize("kwargs, bad", [
     ({"url": "http://localhost"}, "http://localhost"),
     ({"key_prefix": "a*b"}, "a\\*b"),
