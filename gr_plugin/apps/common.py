@@ -66,19 +66,43 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
     return opts.backend
 
 
-def tier_config(opts: KVCacheOptions) -> TierConfig:
-    """The ``flexkv`` tiers: ``kvcache.tiers``, where the FlexKV YAML ``tier_config`` names a key its value
-    (the keys it does not name keep ``kvcache.tiers``'s, e.g. our ``remote_ttl_s``)."""
+def command_line_tier_keys() -> set[str]:
+    """The ``kvcache.tiers`` keys this Hydra run's command line sets (every key for ``kvcache.tiers=...``;
+    none outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return set()
+    keys: set[str] = set()
+    for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+        path = override.key_or_group.split(".")
+        if path[:2] == ["kvcache", "tiers"]:
+            if len(path) == 2:
+                return {f.name for f in dataclasses.fields(TierConfig)}
+            keys.add(path[2])
+    return keys
+
+
+def tier_config(opts: KVCacheOptions, command_line: set[str] | None = None) -> TierConfig:
+    """The ``flexkv`` tiers: ``kvcache.tiers``, where the FlexKV YAML ``tier_config`` names a key its value,
+    unless the command line set that key too (``command_line``, None: `command_line_tier_keys`): as in
+    Hydra, the command line wins, then the file, then the config group's values (the keys the file does not
+    name keep ``kvcache.tiers``'s, e.g. our ``remote_ttl_s``)."""
     base = dataclasses.asdict(opts.tiers)
     if opts.tier_config:
-        base.update(tier_keys(opts.tier_config))
+        named = tier_keys(opts.tier_config)
+        kept = sorted(set(named) & (command_line_tier_keys() if command_line is None else command_line))
+        if kept:
+            logger.info("kvcache.tiers.%s set on the command line: kept over %s's", ", ".join(kept), opts.tier_config)
+        base.update({k: v for k, v in named.items() if k not in kept})
     tiers = load_tier_config(base)
     found = importlib.util.find_spec("flexkv") is not None
     remote = "off"
     if tiers.enable_3rd_remote:
         remote = redact(tiers.remote_url)
         if tiers.remote_ttl_s:
-            remote += f", pages expire {tiers.remote_ttl_s} s after their last write or read there"
+            remote += f", pages expire {tiers.remote_ttl_s} s after their last write, read or renewal there"
     logger.info("kvcache=flexkv: %s; gr_plugin's built-in tiered engine serves (host %.2f GB, SSD %.2f GB at %r, "
                 "remote %s)", "the FlexKV library is importable but has no adapter here" if found
                 else "the FlexKV library is not installed", tiers.cpu_cache_gb, tiers.ssd_cache_gb,

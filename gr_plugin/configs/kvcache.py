@@ -27,8 +27,8 @@ class KVCacheOptions:
     cached and recomputed; the server reads its own ``cuda_graphs``.
     ``flexkv`` reads its tiers from ``tiers`` (FlexKV's keys: ``cpu_cache_gb`` replaces
     ``host_cache_gb``, ``ssd_cache_gb``, ``ssd_cache_dir``, ``enable_3rd_remote``, ...) or, when
-    ``tier_config`` names one, from a FlexKV tier YAML file (the keys it names override ``tiers``'s; the
-    others keep theirs)."""
+    ``tier_config`` names one, from a FlexKV tier YAML file (the keys it names override ``tiers``'s, except
+    those set on the command line: the command line wins, then the file, then the config group)."""
 
     backend: str = "native"
     page_size: int = 32

@@ -150,9 +150,35 @@ def test_a_tier_yaml_overrides_only_the_keys_it_names(tmp_path):
     assert (got.cpu_cache_gb, got.enable_3rd_remote, got.remote_url) == (2.0, True, "redis://cache:6380/0")
     assert (got.remote_ttl_s, got.ssd_cache_gb, got.ssd_cache_dir, got.task_timeout_s) == \
         (60, 1.0, str(tmp_path / "ssd"), 0.5)
+    got = tier_config(KVCacheOptions(backend="flexkv", tiers=tiers, tier_config=str(path)),
+                      command_line={"cpu_cache_gb", "remote_url"})  # (the command line wins)
+    assert (got.cpu_cache_gb, got.enable_3rd_remote, got.remote_url) == (0.5, True, tiers.remote_url)
     path.write_text("cpu_cache_gb: 2\nwrite_back: true\n")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['write_back'\]"):
         tier_config(KVCacheOptions(backend="flexkv", tiers=tiers, tier_config=str(path)))
+
+
+def test_kvcache_tiers_on_the_command_line_beat_the_tier_yaml(tmp_path):
+    """As in Hydra, a key given on the command line wins over the same key in ``kvcache.tier_config``'s file,
+    which wins over the config group's value."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from gr_plugin.apps.common import command_line_tier_keys, tier_config
+
+    path = tmp_path / "flexkv_tiers.yaml"
+    path.write_text("cpu_cache_gb: 2\nssd_cache_gb: 3\nfail_open: false\n")
+    overrides = ["+kvcache=flexkv", f"kvcache.tier_config={path}", "kvcache.tiers.cpu_cache_gb=0.5",
+                 "kvcache.tiers.remote_ttl_s=60"]
+    assert command_line_tier_keys() == set()  # (no Hydra run)
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="infer", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert command_line_tier_keys() == {"cpu_cache_gb", "remote_ttl_s"}
+        got = tier_config(OmegaConf.to_object(cfg.kvcache))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert (got.cpu_cache_gb, got.ssd_cache_gb, got.fail_open, got.remote_ttl_s) == (0.5, 3.0, False, 60)
 
 
 def test_the_tier_log_line_and_the_run_summary_hold_no_password(tmp_path, caplog):
