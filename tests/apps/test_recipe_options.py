@@ -118,6 +118,25 @@ def test_configs_made_in_python_take_the_same_default_checkpoint():
     assert TrainConfig(ckpt_out="x.ckpt").ckpt_out == "x.ckpt"
 
 
+@pytest.mark.parametrize("recipe", ["infer", "train"])
+def test_recipe_help_offers_the_groups_options_and_not_the_kvcache_schema(recipe):
+    """``python -m recipes.infer|train --help`` names every option of its kvcache, model, data and trainer
+    groups (Hydra's default help listed the kvcache group's schema, ``base_kvcache``, as an option)."""
+    out = subprocess.run([sys.executable, "-m", f"recipes.{recipe}", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    usage = out.stdout.split("== Config ==")[0]
+    assert f"python -m recipes.{recipe}" in usage and "base_kvcache" not in out.stdout
+    groups = {"kvcache": ROOT / "gr_plugin" / "conf" / "kvcache", "model": ROOT / "conf" / "model",
+              "data": ROOT / "conf" / "data", "trainer": ROOT / "conf" / "trainer"}
+    for group, folder in groups.items():
+        options = {p.stem for p in folder.glob("*.yaml")}
+        line = re.search(rf"^{group}:(.*?)(?:^\S|\Z)", usage, re.M | re.S).group(1)  # (to the next unindented line)
+        assert options and all(re.search(rf"\b{o}\b", line) for o in options), (group, options, line)
+    config = OmegaConf.create(out.stdout.split("== Config ==")[1].split("Powered by Hydra")[0])
+    assert config.kvcache is None and ("stage" in config) == (recipe == "infer")
+
+
 def test_bench_help_names_every_suite_and_not_the_other_recipes_groups():
     """``python -m recipes.bench --help`` says how to pick a suite and names each one `SUITES` holds; the
     config groups it does not read (Hydra's default help lists every group on the search path) are not
