@@ -5,9 +5,10 @@ semantics).
 
 ``GR_PLUGIN_ATTENTION=reference|triton|auto`` (default ``auto``) overrides the choice, e.g. to run
 the kernel under ``TRITON_INTERPRET=1`` on CPU tensors in tests, or the reference on the CPU. When
-autograd needs the attention's gradient (training), the full (jagged) form in bf16/fp16 takes the
-Triton kernels with their backward (`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's
-would serve (fp32 training keeps the reference: measured faster there); on CPU tensors, the C++
+autograd needs the attention's gradient (training), the full (jagged) form in bf16/fp16, and in fp32 on
+tf32x3 dots up to head_dim 128, takes the Triton kernels with their backward
+(`gr_plugin.ops.triton.hstu_attention_bwd`) where the forward's would serve (fp32 at head_dim 256 or on
+IEEE dots keeps the reference: measured faster there); on CPU tensors, the C++
 kernels with their C++ backward (`gr_plugin.ops.cpu_attention`). The paged form's kernels are
 forward-only: there ``auto`` takes the reference, whose torch ops have a backward, and ``triton`` is
 an error rather than a silently cut gradient.
@@ -76,12 +77,18 @@ def _use_triton(q: torch.Tensor, *more: torch.Tensor, backward: bool = False) ->
             raise ValueError("GR_PLUGIN_ATTENTION=triton, but q/k/v require grad and the paged Triton HSTU "
                              "attention kernel is forward-only: unset it (auto) to train through the torch reference")
         return True
-    # NOTE: fp32 training keeps the reference. On the H200 (`hstu_attention_bwd.blocks`) the Triton forward +
-    # backward on tf32x3 dots took 7.0 ms against the reference's 12.6 at head_dim 128, but 25.7 against 18.4
-    # at 256 (bs 8, 2048-event histories: the only shape measured); on IEEE dots it was slower at 128 too.
-    trains = backward and q.dtype.itemsize == 2 and all(t.dtype == q.dtype for t in more)
-    return ((trains or not needs_grad) and q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
-            and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    # NOTE: fp32 trains through the kernels on tf32x3 dots up to head_dim 128 only. On the H200
+    # (`hstu_attention_bwd.blocks`; bs 8, 2048-event histories) their forward + backward took 1.2 / 1.6 / 3.3 /
+    # 7.0 ms at head_dim 16 / 32 / 64 / 128 against the reference's 8.5 / 8.5 / 10.1 / 12.6, but 25.7 against
+    # 18.4 at 256; on IEEE dots they were slower at 128 too.
+    if not (q.is_cuda and tri is not None and q.shape[-1] in tri.SUPPORTED_HEAD_DIMS
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    if not needs_grad:
+        return True
+    if not backward or any(t.dtype != q.dtype for t in more):
+        return False
+    return q.dtype.itemsize == 2 or (q.shape[-1] <= 128 and tri.dot_precision(q.dtype) == "tf32x3")
 
 
 def _cpu_kernels(q: torch.Tensor, *more: torch.Tensor, backward: bool = False):

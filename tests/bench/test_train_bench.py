@@ -11,7 +11,7 @@ def test_cpu_rows_time_both_paths_and_check_their_gradients():
                      candidates=4, heads=2, layers=2, hidden=32, repeats=2)
     assert [r["part"] for r in rows] == ["attention", "stack"]
     for r in rows:
-        assert r["device"] == "cpu" and r["reference_ms"] > 0 and r["kernels_ms"] > 0
+        assert r["device"] == "cpu" and r["dtype"] == "float32" and r["reference_ms"] > 0 and r["kernels_ms"] > 0
         assert r["speedup"] == pytest.approx(r["reference_ms"] / r["kernels_ms"], rel=0.02)
     assert rows[0]["reference_grad_err"] < 1e-5 and rows[0]["kernels_grad_err"] < 1e-5
 
@@ -21,3 +21,5 @@ def test_cpu_sizes_that_cannot_fit_are_refused():
         train.run(device="cpu")
     with pytest.raises(ValueError, match=r"train\.device must be cuda or cpu, got 'tpu'"):
         train.run(device="tpu")
+    with pytest.raises(ValueError, match=r"train\.dtype on cpu must be one of \['float32'\] or null, got 'bfloat16'"):
+        train.run(device="cpu", dtype="bfloat16")

@@ -620,13 +620,14 @@ def test_training_takes_the_differentiable_path(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_training_gradients_equal_the_reference():
-    """On the GPU, a full-form bf16 forward that needs gradients runs the Triton kernels and their
-    backward (`hstu_attention_bwd`): the gradients flow (finite, non-zero; their error rule:
-    tests/ops/test_triton_attention_bwd.py); fp32 takes the reference, whose q/k/v gradients equal
-    those of the reference on the CPU."""
+def test_gpu_training_gradients_equal_the_reference(monkeypatch):
+    """On the GPU, a full-form bf16 or fp32 (tf32x3 dots, head_dim <= 128) forward that needs gradients runs
+    the Triton kernels and their backward (`hstu_attention_bwd`): the bf16 gradients flow (finite, non-zero;
+    their error rule: tests/ops/test_triton_attention_bwd.py), the fp32 ones equal those of the CPU's
+    kernels. fp32 on IEEE dots, or at head_dim 256, takes the reference (measured faster there)."""
     from gr_plugin.ops import hstu_attention as dispatch
 
+    monkeypatch.setattr(tri, "FP32_DOTS", "tf32x3")  # (the default; GR_PLUGIN_FP32_DOTS may name another)
     torch.backends.cuda.matmul.allow_tf32 = False
     jag, _ = build([300, 40, 0], [7, 3, 5], [0, 0, 0], 16, 2, 64, torch.float32, "cpu")
     grads = {}
@@ -637,13 +638,20 @@ def test_gpu_training_gradients_equal_the_reference():
                                              jag["num_candidates"].to(device), alpha=ALPHA, n_norm=NORM,
                                              max_seq_len=jag["max_seq_len"])
         assert out.requires_grad
-        # (fp32 trains through the reference: `hstu_attention_bwd.blocks`)
-        assert (type(out.grad_fn).__name__ == "JaggedAttentionBackward") == (key == "bf16")
+        assert (type(out.grad_fn).__name__ == "JaggedAttentionBackward") == (device == "cuda")
         (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
         grads[key] = {n: t.grad.float().cpu() for n, t in leaves.items()}
     for n in ("q", "k", "v"):
         torch.testing.assert_close(grads["fp32"][n], grads["cpu"][n], rtol=1e-4, atol=1e-5)
         assert torch.isfinite(grads["bf16"][n]).all() and grads["bf16"][n].abs().sum() > 0
+    q = jag["q"].cuda().requires_grad_()
+    monkeypatch.setattr(tri, "FP32_DOTS", "ieee")
+    assert not dispatch._use_triton(q, q, q, backward=True)
+    monkeypatch.setattr(tri, "FP32_DOTS", "tf32x3")
+    assert dispatch._use_triton(q, q, q, backward=True)
+    wide = torch.zeros(4, 2, 256, device="cuda", requires_grad=True)
+    assert not dispatch._use_triton(wide, wide, wide, backward=True)
+    assert dispatch._use_triton(wide.bfloat16(), backward=True)
 
 
 @interpreter_only

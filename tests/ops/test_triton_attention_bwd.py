@@ -135,6 +135,9 @@ def test_tiles_fit_the_device(monkeypatch):
         assert bwd.blocks(256, torch.float16, dev) == want256
         assert bwd.blocks(64, torch.bfloat16, dev) == (64, 64, 4, 1)
         assert bwd.blocks(128, torch.float32, dev) == bwd.blocks(256, torch.float32, dev) == (16, 32, 4, 1)
+        assert bwd.blocks(64, torch.float32, dev) == (64, 32, 4, 1)  # (smaller heads, larger tiles: measured)
+        assert bwd.blocks(16, torch.float32, dev) == bwd.blocks(32, torch.float32, dev) == (64, 64, 4, 1)
+        assert bwd.blocks(32, torch.float32, dev, "ieee") == (32, 32, 4, 1)
         assert bwd.blocks(128, torch.float32, dev, "ieee") == (32, 32, 4, 1)
         assert bwd.blocks(128, torch.bfloat16, dev, "ieee") == want128
 
@@ -199,7 +202,7 @@ def test_dispatch_trains_through_the_triton_backward(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("dim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize(("dtype", "fp32_dots"), [(torch.bfloat16, None), (torch.float16, None),
                                                   (torch.float32, "tf32x3"), (torch.float32, "ieee")])
 @pytest.mark.parametrize("seed", [0, 1])
@@ -244,20 +247,23 @@ def test_gpu_small_device_tiles_error_within_twice_the_torch_reference(monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [64, 128, 256])
-def test_gpu_training_path_error_within_twice_the_torch_reference(dtype, dim):
+@pytest.mark.parametrize(("dtype", "dim"), [*((d, h) for d in (torch.bfloat16, torch.float16) for h in (64, 128, 256)),
+                                            *((torch.float32, h) for h in (16, 32, 64, 128))])
+def test_gpu_training_path_error_within_twice_the_torch_reference(monkeypatch, dtype, dim):
     """What ``auto`` trains through (the dispatcher: the Triton forward, its fast SiLU included, and the
-    autograd function's backward) in bf16/fp16: each gradient's error against the fp32 reference at most
-    2x the same-precision torch reference's."""
+    autograd function's backward) in bf16/fp16, and in fp32 (tf32x3 dots) up to head_dim 128: each
+    gradient's error against the fp32 reference (fp64 for fp32) at most 2x the same-precision torch
+    reference's."""
     from gr_plugin.ops import hstu_attention as dispatch
+    from gr_plugin.ops.triton import hstu_attention as fwd
 
+    monkeypatch.setattr(fwd, "FP32_DOTS", "tf32x3")  # (the default; GR_PLUGIN_FP32_DOTS may name another)
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(dim)
     hist = torch.randint(0, 1200, (4,), generator=g).tolist()
     cand = torch.randint(1, 70, (4,), generator=g).tolist()
     jag, dout = _inputs(hist, cand, 4, dim, torch.float32, "cuda", dim)
-    exact = _reference_grads(jag, dout, torch.float32)
+    exact = _reference_grads(jag, dout, torch.float64 if dtype == torch.float32 else torch.float32)
     low = _reference_grads(jag, dout, dtype)
     leaves = [jag[n].to(dtype).requires_grad_() for n in ("q", "k", "v")]
     out = dispatch.hstu_attention_jagged(*leaves, jag["seq_offsets"], jag["num_candidates"], alpha=ALPHA,

@@ -144,11 +144,13 @@ def blocks(head_dim: int, dtype: torch.dtype, device: torch.device,
     forward and backward (13.8 ms). fp32 on tf32x3 dots (the default; same sweep, 2026-12-02 from 15:05):
     16x32 tiles 5.68 ms at 128 (32x32 6.86, 32x64 9.52, 64x32 12.7; with the forward 7.0 ms against the
     reference's 12.6) and 22.2 at 256 (32x32 222: spilled; larger tiles out of shared memory; with the
-    forward 25.7 against 18.4). ``auto`` still trains fp32 through the reference
-    (`gr_plugin.ops.hstu_attention`): one shape measured, slower at 256. Not measured: head_dim 16/32/64
-    in fp32 (they take 16x32 unmeasured), fp16 (bf16's tiles)."""
+    forward 25.7 against 18.4). Smaller heads on tf32x3 (2026-12-02 from 17:09, call 1) take larger tiles:
+    head_dim 64 64x32 2.53 ms (16x32 3.01, 32x32 2.82, 64x64 3.06), 32 and 16 64x64 1.12 / 0.845 ms (16x32
+    3.04 / 2.74). Not measured: those heads on IEEE dots (32x32, as at 128), fp16 (bf16's tiles)."""
     if dtype.itemsize == 4:
-        return (32, 32, 4, 1) if fwd.dot_precision(dtype, fp32_dots) == "ieee" else (16, 32, 4, 1)
+        if fwd.dot_precision(dtype, fp32_dots) == "ieee":
+            return 32, 32, 4, 1
+        return (64, 64, 4, 1) if head_dim <= 32 else (64, 32, 4, 1) if head_dim <= 64 else (16, 32, 4, 1)
     if head_dim >= 128 and fwd._large_tiles_fit(device):
         return 128, 64, 8, 1
     if head_dim >= 256:
