@@ -67,8 +67,8 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
 
 
 def command_line_tier_keys() -> set[str]:
-    """The ``kvcache.tiers`` keys this Hydra run's command line sets (every key for ``kvcache.tiers=...``;
-    none outside a Hydra run)."""
+    """The ``kvcache.tiers`` keys this Hydra run's command line sets (``kvcache.tiers={...}``: the keys the
+    mapping names; a deletion sets nothing; none outside a Hydra run)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -77,10 +77,14 @@ def command_line_tier_keys() -> set[str]:
     keys: set[str] = set()
     for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
         path = override.key_or_group.split(".")
-        if path[:2] == ["kvcache", "tiers"]:
-            if len(path) == 2:
-                return {f.name for f in dataclasses.fields(TierConfig)}
+        if path[:2] != ["kvcache", "tiers"] or override.is_delete():
+            continue
+        if len(path) > 2:
             keys.add(path[2])
+        elif not override.is_sweep_override() and isinstance(override.value(), dict):
+            keys.update(str(k) for k in override.value())
+        else:  # (a value that is no mapping: the schema refuses it)
+            keys.update(f.name for f in dataclasses.fields(TierConfig))
     return keys
 
 

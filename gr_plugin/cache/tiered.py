@@ -106,7 +106,8 @@ class TieredBackend(HostTier):
         self._writes: list[tuple[Key, Future]] = []  # write-downs in flight, per user
         self._write_lock = threading.Lock()
         self._task_ids = itertools.count(1)
-        self._renewed: collections.OrderedDict[Key, float] = collections.OrderedDict()  # last remote renewal
+        # per user: (when its remote pages were last renewed, how many from page 0 that renewal reached)
+        self._renewed: collections.OrderedDict[Key, tuple[float, int]] = collections.OrderedDict()
         self._renew_pool: ThreadPoolExecutor | None = None
         self._tier_counters = {
             "tasks_launched": 0, "tasks_ready": 0, "tasks_failed": 0, "tasks_timed_out": 0,
@@ -189,10 +190,11 @@ class TieredBackend(HostTier):
                       device_tokens: list[int], tiers: list[dict[str, int]]) -> None:
         """Restart the remote TTL of the pages a lookup finds above the remote tier (on the device,
         host or SSD): a replica serving a user from its own tiers reads nothing from Redis, which
-        would otherwise let the user's pages there expire while the user is active. At most once a
-        `renew_interval_s` per user, off the caller's thread; pages the lookup will read from Redis
-        are renewed by that read. So a page outlives its user's last lookup on any replica by at
-        least 3/4 of the TTL (while the server is reachable)."""
+        would otherwise let the user's pages there expire while the user is active. Every page once a
+        `renew_interval_s` per user, and in between the pages beyond those the last renewal reached
+        (a longer history of the user, e.g. a later visit replayed); off the caller's thread. Pages
+        the lookup will read from Redis are renewed by that read. So a page outlives the last lookup
+        on any replica that found it by at least 3/4 of the TTL (while the server is reachable)."""
         interval = self.renew_interval_s
         if interval is None:
             return
@@ -201,12 +203,18 @@ class TieredBackend(HostTier):
             full = (offsets[b + 1] - offsets[b]) // P
             t = tiers[b]
             upper = min(full, max(device_tokens[b] // P, t.get("host", 0), t.get("ssd", 0)))
-            last = self._renewed.get(key)
-            if upper == 0 or (last is not None and now - last < interval):
+            when, upto = self._renewed.get(key, (None, 0))
+            if when is None or now - when >= interval:
+                first, when = 0, now  # (every page)
+            elif upper > upto:
+                first = upto  # (pages the renewal at `when` did not reach: renewed now, later than `when`)
+            else:
                 continue
-            self._renewed[key] = now
+            if upper == 0:
+                continue
+            self._renewed[key] = (when, upper)
             self._renewed.move_to_end(key)
-            due.append((key, tokens[offsets[b] : offsets[b] + upper * P].clone(), upper))
+            due.append((key, tokens[offsets[b] : offsets[b] + upper * P].clone(), first, upper))
         while len(self._renewed) > _RENEWED_KEPT:
             self._renewed.popitem(last=False)
         if not due:
@@ -215,10 +223,10 @@ class TieredBackend(HostTier):
         assert remote is not None
 
         def run() -> None:
-            for key, rows, upper in due:
+            for key, rows, first, upper in due:
                 hashes = request_page_hashes(rows, 0, upper, P, seed)
                 try:
-                    n = remote.renew([PageKey(key[0], key[1], i, h) for i, h in enumerate(hashes)])
+                    n = remote.renew([PageKey(key[0], key[1], i, hashes[i]) for i in range(first, upper)])
                 except Exception:  # (the store answers 0 for I/O errors; this is e.g. a closed store)
                     logger.warning("renewing the remote pages of user %s failed", key[1], exc_info=True)
                     n = 0
@@ -231,7 +239,7 @@ class TieredBackend(HostTier):
             self._renew_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gr-kv-renew")
         future = self._renew_pool.submit(run)
         with self._write_lock:
-            self._writes.extend((key, future) for key, _, _ in due)
+            self._writes.extend((key, future) for key, *_ in due)
 
     def prefetch(self, requests) -> int | None:
         """One batched task reading, for each request whose lower tiers hold more than the host,

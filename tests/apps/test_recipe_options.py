@@ -186,18 +186,19 @@ def test_kvcache_tiers_on_the_command_line_beat_the_tier_yaml(tmp_path):
 
     path = tmp_path / "flexkv_tiers.yaml"
     path.write_text("cpu_cache_gb: 2\nssd_cache_gb: 3\nfail_open: false\n")
-    overrides = ["+kvcache=flexkv", f"kvcache.tier_config={path}", "kvcache.tiers.cpu_cache_gb=0.5",
-                 "kvcache.tiers.remote_ttl_s=60"]
     assert command_line_tier_keys() == set()  # (no Hydra run)
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose(config_name="infer", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    try:
-        assert command_line_tier_keys() == {"cpu_cache_gb", "remote_ttl_s"}
-        got = tier_config(OmegaConf.to_object(cfg.kvcache))
-    finally:
-        HydraConfig.instance().cfg = None
-    assert (got.cpu_cache_gb, got.ssd_cache_gb, got.fail_open, got.remote_ttl_s) == (0.5, 3.0, False, 60)
+    for tiers in (["kvcache.tiers.cpu_cache_gb=0.5", "kvcache.tiers.remote_ttl_s=60"],
+                  ["kvcache.tiers={cpu_cache_gb:0.5,remote_ttl_s:60}"]):  # (a mapping: the keys it names)
+        with initialize_config_dir(config_dir=CONF, version_base=None):
+            cfg = compose(config_name="infer", overrides=["+kvcache=flexkv", f"kvcache.tier_config={path}", *tiers],
+                          return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            assert command_line_tier_keys() == {"cpu_cache_gb", "remote_ttl_s"}
+            got = tier_config(OmegaConf.to_object(cfg.kvcache))
+        finally:
+            HydraConfig.instance().cfg = None
+        assert (got.cpu_cache_gb, got.ssd_cache_gb, got.fail_open, got.remote_ttl_s) == (0.5, 3.0, False, 60)
 
 
 def test_the_tier_log_line_and_the_run_summary_hold_no_password(tmp_path, caplog):

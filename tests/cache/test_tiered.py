@@ -123,7 +123,8 @@ def test_remote_ttl_s_reaches_the_redis_tier(tmp_path, redis_url):
 
 def test_remote_pages_of_a_user_served_from_its_replicas_own_tiers_are_renewed(tmp_path, redis_url, monkeypatch):
     """A replica serving a user from its device or host tier reads nothing from Redis; it renews the
-    user's remote TTL instead, at most once a quarter of the TTL, for the pages above the remote tier."""
+    user's remote TTL instead, for the pages above the remote tier: all of them at most once a quarter of
+    the TTL, and in between the pages a longer lookup finds beyond those the last renewal reached."""
     import redis
 
     from gr_plugin.cache import tiered
@@ -138,27 +139,33 @@ def test_remote_pages_of_a_user_served_from_its_replicas_own_tiers_are_renewed(t
     assert client.dbsize() == 3 and m.stats()["remote_renewals"] == 0
 
     def served_again(length):
-        """The TTLs, after a step of ``length`` history tokens, of the pages Redis held before it
-        (each set to 100 s first)."""
-        held = list(client.scan_iter("*"))
-        for k in held:
+        """{page: TTL} after a step of ``length`` history tokens, of the pages Redis held before it (each
+        set to 100 s first), and the tokens the step onboarded from the host tier."""
+        held = {int(k.split(b":")[-2]): k for k in client.scan_iter("*")}
+        for k in held.values():
             client.expire(k, 100)
         _, plan = run_step(m, [21], [history_tokens(21, length)])
         settle(m)
         assert m.stats()["remote_hits"] == 0  # (nothing read from Redis)
-        return [client.ttl(k) for k in held], plan.onboard_tokens
+        return {page: client.ttl(k) for page, k in held.items()}, plan.onboard_tokens
 
-    assert all(t > 3500 for t in served_again(14)[0])  # device hit, first sight: renewed
-    assert m.stats()["remote_renewals"] == 1 and m.stats()["remote_pages_renewed"] == 3
+    def renewed():
+        return m.stats()["remote_renewals"], m.stats()["remote_pages_renewed"]
+
+    assert all(t > 3500 for t in served_again(14)[0].values())  # device hit, first sight: renewed
+    assert renewed() == (1, 3)
     clock[0] += 899
-    assert all(t <= 100 for t in served_again(15)[0])  # within the interval: not again
+    assert all(t <= 100 for t in served_again(15)[0].values())  # within the interval: not again
     clock[0] += 1
-    assert all(t > 3500 for t in served_again(16)[0])
+    assert all(t > 3500 for t in served_again(16)[0].values())  # (that step wrote page 3)
+    assert renewed() == (2, 6) and client.dbsize() == 4
+    ttls, _ = served_again(17)  # within the interval, but page 3 is found beyond the last renewal's 3
+    assert ttls[3] > 3500 and all(ttls[p] <= 100 for p in (0, 1, 2)) and renewed() == (3, 7)
     m.evict([21])  # device pages gone: the next step's hit is the host tier's
     clock[0] += 900
-    ttls, onboarded = served_again(17)
-    assert onboarded == [16] and len(ttls) == 4 and all(t > 3500 for t in ttls)
-    assert m.stats()["remote_renewals"] == 3 and m.stats()["remote_pages_renewed"] == 3 + 3 + 4
+    ttls, onboarded = served_again(18)
+    assert onboarded == [16] and len(ttls) == 4 and all(t > 3500 for t in ttls.values())
+    assert renewed() == (4, 11)
     m.close()
 
     plain = make(tmp_path / "plain", ssd=False, redis_url=redis_url)  # no TTL: nothing to renew

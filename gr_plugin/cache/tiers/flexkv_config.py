@@ -56,9 +56,9 @@ class TierConfig:
     (None: never): a remote page expires this many seconds after it was last written, read or
     renewed, so the pages of namespaces no longer read (older weights) leave a shared server. A
     replica serving a user from its device, host or SSD tier reads nothing from Redis; it renews the
-    user's pages there instead (`TieredBackend`, at most once a quarter of the TTL per user, in the
-    background), so a page outlives its user's last lookup on any replica by at least 3/4 of the TTL
-    while the server is reachable. Needs Redis >= 6.2 (reads renew the TTL through GETEX).
+    pages a lookup finds there instead (`TieredBackend`, in the background: all of them at most once a
+    quarter of the TTL per user), so a page outlives the last lookup that found it, on any replica, by
+    at least 3/4 of the TTL while the server is reachable. Needs Redis >= 6.2 (reads renew the TTL through GETEX).
     """
 
     cpu_cache_gb: float = 1.0
@@ -209,7 +209,8 @@ def tier_keys(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     alias_url = _remote_url_from_aliases(raw)
     if alias_url is not None:
         if "remote_url" in raw and raw["remote_url"] != alias_url:
-            raise ValueError(f"tier config: remote_url={raw['remote_url']!r} disagrees with its alias ({alias_url!r})")
+            raise ValueError(f"tier config: remote_url={redact(raw['remote_url'])!r} disagrees with its alias "
+                             f"({redact(alias_url)!r})")
         raw["remote_url"] = alias_url
     known = {f.name for f in dataclasses.fields(TierConfig)}
     unknown = sorted(set(raw) - known)

@@ -136,6 +136,9 @@ def test_redact_hides_url_credentials_everywhere():
     assert out == {"tiers": {"remote_url": "redis://***@cache:6379/0", "n": 3}, "urls": ["rediss://***@h:1/2"],
                    "plain": "redis://cache:6379/0"}
     assert "s3cret" not in repr(out) and cfg["tiers"]["remote_url"].endswith("s3cret@cache:6379/0")  # (a copy)
+    with pytest.raises(ValueError, match=r"disagrees with its alias") as err:  # (the error shows neither password)
+        load_tier_config({"remote_url": "redis://:s3cret@a:1/0", "remote_cache_address": "redis://:pw2@b:2/0"})
+    assert "s3cret" not in str(err.value) and "pw2" not in str(err.value) and "redis://***@a:1/0" in str(err.value)
 
 
 def test_a_ttl_redis_cannot_take_is_refused():
