@@ -14,6 +14,7 @@ import logging
 import resource
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,10 @@ def run(num_requests: int = 100_000, num_users: int = 2000, zipf_s: float = 1.1,
     ssd = Path(ssd_dir or tmp.name) / "ssd"
     tiers = TierConfig(cpu_cache_gb=host_pages * cfg0.page_bytes / 2**30,
                        ssd_cache_gb=ssd_pages * cfg0.page_bytes * 1.3 / 2**30, ssd_cache_dir=str(ssd),
-                       enable_3rd_remote=redis_url is not None, remote_url=redis_url or "redis://127.0.0.1:1/0")
+                       enable_3rd_remote=redis_url is not None, remote_url=redis_url or "redis://127.0.0.1:1/0",
+                       remote_ttl_s=3600)
     cfg = KVCacheConfig(num_layers=2, num_heads=1, head_dim=8, page_size=page_size, num_pages=num_pages,
-                        host_cache_bytes=host_pages * cfg0.page_bytes, namespace="soak")
+                        host_cache_bytes=host_pages * cfg0.page_bytes, namespace=f"soak-{uuid.uuid4().hex[:12]}")
     m = KVCacheManager(cfg, TieredBackend(tiers))
     ranks = torch.arange(1, num_users + 1, dtype=torch.float64)
     probs = ranks.pow(-zipf_s)
@@ -107,6 +109,7 @@ def run(num_requests: int = 100_000, num_users: int = 2000, zipf_s: float = 1.1,
     m.offload_flush()
     m.backend.flush_writes()
     m.check()
+    m.evict_all(all_tiers=True)  # (this run's namespace only: a shared Redis keeps everything else)
     m.close()
     if tmp is not None:
         tmp.cleanup()

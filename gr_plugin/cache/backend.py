@@ -138,7 +138,9 @@ class KVBackend(ABC):
         """Drop what is stored for ``key`` (pinned pages stay until released)."""
 
     @abstractmethod
-    def clear(self) -> None: ...
+    def clear(self, namespace: str | None = None) -> None:
+        """Drop every page this process's tiers hold; of a tier shared with other processes (a remote
+        store), only ``namespace``'s pages (None: none)."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...

@@ -239,8 +239,8 @@ class HostTier(KVBackend):
         if ns is not None:
             self._core.evict(ns, key[1])
 
-    def clear(self) -> None:
-        self._core.clear()
+    def clear(self, namespace: str | None = None) -> None:
+        self._core.clear()  # (this process's memory: every namespace)
 
     # ----------------------------------------------------------------- introspection
     def lru_order(self) -> list[Key]:

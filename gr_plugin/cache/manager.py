@@ -661,14 +661,16 @@ class KVCacheManager:
             return evicted[0]
 
     def evict_all(self, *, all_tiers: bool = False) -> None:
-        """Drop every device entry (and every lower-tier page with ``all_tiers``)."""
+        """Drop every device entry; with ``all_tiers`` also every page of this process's host and SSD
+        tiers and this namespace's pages in a shared remote tier (every replica loses those; other
+        namespaces keep theirs)."""
         with self._lock:
             if self._plans:
                 raise ValueError(f"{len(self._plans)} steps are in flight; commit or abort them first")
             self._drain()
             self._count_evicted(self._core.evict_all())
             if all_tiers and self.backend is not None:
-                self.backend.clear()
+                self.backend.clear(namespace=self.namespace)
 
     def reserve_scratch_pages(self, n: int) -> list[int]:
         """Take ``n`` pages out of circulation for good (e.g. where padded tokens of a CUDA-graph

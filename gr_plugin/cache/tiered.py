@@ -470,12 +470,16 @@ class TieredBackend(HostTier):
         for _, store in self._stores():
             store.evict_user(key[0], key[1])
 
-    def clear(self) -> None:
+    def clear(self, namespace: str | None = None) -> None:
+        """Drop the host and SSD tiers' pages, and of the shared remote tier ``namespace``'s only (None:
+        none): other processes, and other weights' namespaces, keep theirs."""
         super().clear()
         self.flush_writes()
         self._renewed.clear()
-        for _, store in self._stores():
-            store.clear()
+        if self._ssd is not None:
+            self._ssd.clear()
+        if self._remote is not None and namespace is not None:
+            self._remote.evict_namespace(namespace)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

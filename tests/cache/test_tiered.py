@@ -87,6 +87,31 @@ def test_redis_round_trip_and_a_second_replica_hits(tmp_path, redis_url):
     b.check()
 
 
+def test_evict_all_tiers_deletes_only_its_own_namespace_from_a_shared_redis(tmp_path, redis_url):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.set("someone-else:key", b"theirs")  # another application's key on the same server
+    other = make(tmp_path / "b", ssd=False, redis_url=redis_url)
+    other.set_namespace("model-v2")
+    a = make(tmp_path / "a", redis_url=redis_url)
+    for m in (a, other):
+        run_step(m, [7], [history_tokens(7, 13)])
+        settle(m)
+    assert len(list(client.scan_iter("*"))) == 7
+    a.evict_all(all_tiers=True)
+    assert a.stats()["host_users"] == 0 and a.backend._ssd.num_pages_stored == 0
+    left = sorted(client.scan_iter("*"))
+    assert len(left) == 4 and all(b"model-v2" in k for k in left[:3]) and left[3] == b"someone-else:key"
+    fresh = make(tmp_path / "c", ssd=False, redis_url=redis_url)  # a new replica of model-v2 still hits
+    fresh.set_namespace("model-v2")
+    lk, _ = run_step(fresh, [7], [history_tokens(7, 13)])
+    assert lk.tier_tokens["remote"] == [12]
+    client.close()
+    for m in (a, other, fresh):
+        m.close()
+
+
 def test_remote_ttl_s_reaches_the_redis_tier(tmp_path, redis_url):
     """``remote_ttl_s`` reaches the Redis tier: written pages carry the TTL (none without it), a replica's
     read renews it, and once they expire (forced here) a replica misses instead of reading them."""

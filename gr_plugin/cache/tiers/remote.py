@@ -363,6 +363,10 @@ class RedisPageStore(PageStore):
         """Delete the user's pages in this namespace (every replica loses them)."""
         self._delete_matching(self._user_prefix(namespace, user_id) + "*")
 
+    def evict_namespace(self, namespace: str) -> None:
+        """Delete every page of ``namespace`` (every replica loses them; other namespaces keep theirs)."""
+        self._delete_matching(f"{self.key_prefix}:{quote(namespace, safe='')}:*")  # (quoted: no glob character)
+
     def clear(self) -> None:
         """Delete every page under ``key_prefix`` (all namespaces, all replicas)."""
         self._delete_matching(f"{self.key_prefix}:*")

@@ -457,6 +457,12 @@ class SSDPageStore(PageStore):
         with self._lock:
             self._index.evict_user((namespace, user_id))
 
+    def evict_namespace(self, namespace: str) -> None:
+        self._check_open()
+        with self._lock:
+            for user in [u for u in self._index.lru_order() if u[0] == namespace]:
+                self._index.evict_user(user)
+
     def clear(self) -> None:
         self._check_open()
         with self._lock:

@@ -119,6 +119,10 @@ class PageStore(ABC):
     def evict_user(self, namespace: str, user_id: int) -> None: ...
 
     @abstractmethod
+    def evict_namespace(self, namespace: str) -> None:
+        """Delete every page of ``namespace`` (every user's)."""
+
+    @abstractmethod
     def clear(self) -> None: ...
 
     @abstractmethod

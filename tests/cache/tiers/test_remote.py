@@ -155,6 +155,18 @@ def test_evict_user_touches_only_that_user(store):
     assert store.num_pages_stored == 0
 
 
+def test_evict_namespace_touches_only_that_namespace(store):
+    # a namespace that is another's prefix, or holds glob characters, must not match the other's keys
+    keys = [PageKey("a", 1, 0, 5), PageKey("a", 2, 3, 6), PageKey("ab", 1, 0, 5), PageKey("a*", 1, 0, 5),
+            PageKey("a:1", 1, 0, 5), PageKey("*", 1, 0, 5)]
+    store.put_many(keys, random_pages(len(keys)))
+    store.evict_namespace("a")
+    assert [store.match(k.namespace, k.user_id, [k.page_hash]) for k in keys] == [0, 0, 1, 1, 1, 1]
+    store.evict_namespace("*")
+    assert [store.match(k.namespace, k.user_id, [k.page_hash]) for k in keys] == [0, 0, 1, 1, 1, 0]
+    assert store.num_pages_stored == 3
+
+
 def test_ttl_is_set_and_renewed(redis_url, client):
     s = RedisPageStore(redis_url, ttl_s=100)
     keys = user_keys(1, 1)

@@ -396,6 +396,16 @@ def test_bad_tensors_raise(store):
     assert store.put_many([], torch.empty(0, *PAGE_SHAPE)) == []
 
 
+def test_evict_namespace_keeps_the_other_namespaces(store):
+    for ns in ("a", "b"):
+        for u in (1, 2):
+            store.put_many(user_keys(u, 2, namespace=ns), random_pages(2))
+    store.evict_namespace("a")
+    assert [store.match(ns, u, hashes(user_keys(u, 2))) for ns in "ab" for u in (1, 2)] == [0, 0, 2, 2]
+    assert store.num_pages_stored == 4
+    store.check()
+
+
 def test_evict_user_clear_and_close(store):
     for u in (1, 2):
         store.put_many(user_keys(u, 2), random_pages(2))
