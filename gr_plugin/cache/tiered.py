@@ -108,13 +108,16 @@ class TieredBackend(HostTier):
         self._task_ids = itertools.count(1)
         # per user: (when its remote pages were last renewed, how many from page 0 that renewal reached)
         self._renewed: collections.OrderedDict[Key, tuple[float, int]] = collections.OrderedDict()
+        self._renew_lock = threading.Lock()
         self._renew_pool: ThreadPoolExecutor | None = None
+        self._renewals: list[Future] = []  # renewal batches queued or running (not waited on by an evict)
+        self._closed = False
         self._tier_counters = {
             "tasks_launched": 0, "tasks_ready": 0, "tasks_failed": 0, "tasks_timed_out": 0,
             "tasks_cancelled": 0, "task_latency_s_sum": 0.0, "task_latency_s_max": 0.0,
             "ssd_pages_fetched": 0, "remote_pages_fetched": 0, "fetch_pages_failed": 0,
             "ssd_pages_written": 0, "remote_pages_written": 0, "lower_writes_failed": 0,
-            "lower_writes_skipped": 0, "remote_renewals": 0, "remote_pages_renewed": 0,
+            "lower_writes_skipped": 0, "remote_renewals": 0,
         }
 
     @property
@@ -192,54 +195,66 @@ class TieredBackend(HostTier):
         host or SSD): a replica serving a user from its own tiers reads nothing from Redis, which
         would otherwise let the user's pages there expire while the user is active. Every page once a
         `renew_interval_s` per user, and in between the pages beyond those the last renewal reached
-        (a longer history of the user, e.g. a later visit replayed); off the caller's thread. Pages
-        the lookup will read from Redis are renewed by that read. So a page outlives the last lookup
-        on any replica that found it by at least 3/4 of the TTL (while the server is reachable)."""
+        (a longer history of the user, e.g. a later visit replayed); one pipelined batch per lookup,
+        off the caller's thread. Pages the lookup will read from Redis are renewed by that read. So a
+        page outlives the last lookup on any replica that found it by at least 3/4 of the TTL while
+        the server is reachable; a user whose renewal failed (unreachable, refused) is tried again,
+        every page, by a lookup after the store's ``retry_after_s`` (at least 1 s, at most the interval)."""
         interval = self.renew_interval_s
-        if interval is None:
+        if interval is None or self._closed:
             return
         P, now, due = self.config.page_size, _now(), []
-        for b, key in enumerate(keys):
-            full = (offsets[b + 1] - offsets[b]) // P
-            t = tiers[b]
-            upper = min(full, max(device_tokens[b] // P, t.get("host", 0), t.get("ssd", 0)))
-            when, upto = self._renewed.get(key, (None, 0))
-            if when is None or now - when >= interval:
-                first, when = 0, now  # (every page)
-            elif upper > upto:
-                first = upto  # (pages the renewal at `when` did not reach: renewed now, later than `when`)
-            else:
-                continue
-            if upper == 0:
-                continue
-            self._renewed[key] = (when, upper)
-            self._renewed.move_to_end(key)
-            due.append((key, tokens[offsets[b] : offsets[b] + upper * P].clone(), first, upper))
-        while len(self._renewed) > _RENEWED_KEPT:
-            self._renewed.popitem(last=False)
+        with self._renew_lock:
+            for b, key in enumerate(keys):
+                full = (offsets[b + 1] - offsets[b]) // P
+                t = tiers[b]
+                upper = min(full, max(device_tokens[b] // P, t.get("host", 0), t.get("ssd", 0)))
+                when, upto = self._renewed.get(key, (None, 0))
+                if when is None or now - when >= interval:
+                    first, when = 0, now  # (every page)
+                elif upper > upto:
+                    first = upto  # (pages the renewal at `when` did not reach: renewed now, later than `when`)
+                else:
+                    continue
+                if upper == 0:
+                    continue
+                self._renewed[key] = (when, upper)
+                self._renewed.move_to_end(key)
+                due.append((key, tokens[offsets[b] : offsets[b] + upper * P].clone(), first, upper, (when, upper)))
+            while len(self._renewed) > _RENEWED_KEPT:
+                self._renewed.popitem(last=False)
         if not due:
             return
         remote = self._remote
         assert remote is not None
+        retry = min(interval, max(1.0, float(getattr(remote, "retry_after_s", 1.0))))
 
         def run() -> None:
-            for key, rows, first, upper in due:
+            page_keys, spans = [], []
+            for key, rows, first, upper, _ in due:
                 hashes = request_page_hashes(rows, 0, upper, P, seed)
-                try:
-                    n = remote.renew([PageKey(key[0], key[1], i, hashes[i]) for i in range(first, upper)])
-                except Exception:  # (the store answers 0 for I/O errors; this is e.g. a closed store)
-                    logger.warning("renewing the remote pages of user %s failed", key[1], exc_info=True)
-                    n = 0
-                with self._write_lock:
-                    self._tier_counters["remote_renewals"] += 1
-                    self._tier_counters["remote_pages_renewed"] += n
+                spans.append((len(page_keys), len(page_keys) + upper - first))
+                page_keys += [PageKey(key[0], key[1], i, hashes[i]) for i in range(first, upper)]
+            try:
+                done = remote.renew(page_keys)
+            except Exception:  # (the store answers None for I/O errors; this is e.g. a store closed meanwhile)
+                logger.warning("renewing the remote pages of %d users failed", len(due), exc_info=True)
+                done = [None] * len(page_keys)
+            failed_at = _now()
+            with self._renew_lock:
+                for (key, *_, mark), (lo, hi) in zip(due, spans, strict=True):
+                    if None in done[lo:hi] and self._renewed.get(key) == mark:
+                        # NOTE: not renewed: due again after `retry` (all its pages), not after the interval.
+                        self._renewed[key] = (failed_at - interval + retry, mark[1])
+            with self._write_lock:
+                self._tier_counters["remote_renewals"] += len(due)
 
-        if self._renew_pool is None:
-            # NOTE: its own thread: a renewal never queues ahead of a fetch a step waits for.
-            self._renew_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gr-kv-renew")
-        future = self._renew_pool.submit(run)
         with self._write_lock:
-            self._writes.extend((key, future) for key, *_ in due)
+            if self._renew_pool is None:
+                # NOTE: its own thread: a renewal never queues ahead of a fetch a step waits for.
+                self._renew_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gr-kv-renew")
+            self._renewals = [f for f in self._renewals if not f.done()]
+            self._renewals.append(self._renew_pool.submit(run))
 
     def prefetch(self, requests) -> int | None:
         """One batched task reading, for each request whose lower tiers hold more than the host,
@@ -448,8 +463,12 @@ class TieredBackend(HostTier):
             return [f for k, f in self._writes if key is None or k == key]
 
     def flush_writes(self) -> None:
-        """Block until every write to the lower tiers has finished."""
+        """Block until every write to the lower tiers, remote renewals included, has finished."""
         for f in self._pending_writes():
+            f.result()
+        with self._write_lock:
+            renewals = list(self._renewals)
+        for f in renewals:
             f.result()
         self.poll()
 
@@ -466,7 +485,8 @@ class TieredBackend(HostTier):
         super().evict(key)
         if self._stores():
             self._wait_writes(key)  # NOTE: a write-down still queued would put the user back after the evict
-        self._renewed.pop(key, None)
+        with self._renew_lock:  # (a renewal in flight may run after the delete: EXPIRE creates nothing)
+            self._renewed.pop(key, None)
         for _, store in self._stores():
             store.evict_user(key[0], key[1])
 
@@ -475,7 +495,8 @@ class TieredBackend(HostTier):
         none): other processes, and other weights' namespaces, keep theirs."""
         super().clear()
         self.flush_writes()
-        self._renewed.clear()
+        with self._renew_lock:
+            self._renewed.clear()
         if self._ssd is not None:
             self._ssd.clear()
         if self._remote is not None and namespace is not None:
@@ -487,6 +508,7 @@ class TieredBackend(HostTier):
         out["tasks_in_flight"] = len(self._tasks)
         with self._write_lock:
             out["writes_in_flight"] = sum(not f.done() for _, f in self._writes)
+            out["renewals_in_flight"] = sum(not f.done() for f in self._renewals)
         for name, store in self._stores():
             out.update({f"{name}_{k}": v for k, v in store.stats().items()})
         return out
@@ -500,9 +522,10 @@ class TieredBackend(HostTier):
         for task in list(self._tasks.values()):
             if task.state == TaskState.LAUNCHED:
                 self._abandon(task, TaskState.CANCELLED)
+        self._closed = True
         self._pool.shutdown(wait=True)
         if self._renew_pool is not None:
-            self._renew_pool.shutdown(wait=True)
+            self._renew_pool.shutdown(wait=True, cancel_futures=True)  # (a renewal not started is dropped)
         for task in list(self._tasks.values()):
             self._finalize(task)
         for _, store in self._stores():

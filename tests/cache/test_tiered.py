@@ -202,6 +202,76 @@ def test_remote_pages_of_a_user_served_from_its_replicas_own_tiers_are_renewed(t
     plain.close()
 
 
+def test_remote_pages_of_a_user_served_from_the_ssd_are_renewed_and_an_evict_forgets_it(tmp_path, redis_url,
+                                                                                          monkeypatch):
+    import redis
+
+    from gr_plugin.cache import HostTier, tiered
+
+    clock = [1000.0]
+    monkeypatch.setattr(tiered, "_now", lambda: clock[0])
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path, redis_url=redis_url, remote_ttl_s=3600)
+    run_step(m, [21], [history_tokens(21, 13)])
+    settle(m)
+    m.evict([21])
+    HostTier.evict(m.backend, (m.namespace, 21))  # the host tier only: SSD and Redis keep the 3 pages
+    for k in client.scan_iter("*"):
+        client.expire(k, 100)
+    lk, _ = run_step(m, [21], [history_tokens(21, 14)])
+    settle(m)
+    assert lk.tier_tokens["ssd"] == [12] and m.stats()["remote_hits"] == 0
+    assert [client.ttl(k) > 3500 for k in client.scan_iter("*")] == [True] * 3  # renewed from the SSD hit
+    assert m.stats()["remote_pages_renewed"] == 3 and (m.namespace, 21) in m.backend._renewed
+    m.backend.evict((m.namespace, 21))  # every tier: Redis loses the pages, the renewal forgets the user
+    assert client.dbsize() == 0 and (m.namespace, 21) not in m.backend._renewed
+    client.close()
+    m.close()
+
+
+def test_a_failed_renewal_is_retried_after_the_back_off_not_the_interval(tmp_path, redis_server, redis_url,
+                                                                          monkeypatch):
+    import redis
+
+    from gr_plugin.cache import tiered
+
+    clock = [1000.0]
+    monkeypatch.setattr(tiered, "_now", lambda: clock[0])
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path, ssd=False, redis_url=redis_url, remote_ttl_s=3600)
+    m.backend._remote.retry_after_s = 0.0  # (the store asks the restarted server at once; the retry is 1 s)
+    run_step(m, [21], [history_tokens(21, 13)])
+    settle(m)
+    saved = {k: client.dump(k) for k in client.scan_iter("*")}
+    assert len(saved) == 3
+
+    def step_ttls():
+        run_step(m, [21], [history_tokens(21, 14)])  # a device hit: nothing read from Redis
+        settle(m)
+        return sorted(client.ttl(k) for k in saved)
+
+    redis_server.kill()
+    run_step(m, [21], [history_tokens(21, 14)])
+    settle(m)
+    assert m.stats()["remote_renew_failed"] == 3 and m.stats()["remote_pages_renewed"] == 0
+    redis_server.restart()
+    for k, v in saved.items():
+        client.restore(k, 100_000, v)  # the pages are back, 100 s to live
+    clock[0] += 0.5
+    got = step_ttls()
+    assert all(t <= 100 for t in got), got  # within the 1 s retry: not asked again
+    clock[0] += 0.5
+    assert all(t > 3500 for t in step_ttls())  # retried, every page (the interval is 900 s)
+    assert m.stats()["remote_pages_renewed"] == 3 and m.stats()["renewals_in_flight"] == 0
+    client.close()
+    m.close()
+    assert m.backend._renew_pool._shutdown
+    before = list(m.backend._renewals)
+    clock[0] += 3600  # (due) a lookup after close starts no renewal thread
+    m.backend._renew_remote([(m.namespace, 21)], history_tokens(21, 16), [0, 16], 0, [16], [{}])
+    assert m.backend._renewals == before
+
+
 def test_a_step_counts_the_tokens_its_own_read_brought_up_from_the_ssd(tmp_path):
     m = make(tmp_path, host_pages=6)
     run_step(m, [1], [history_tokens(1, 16)])

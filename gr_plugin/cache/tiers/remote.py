@@ -125,7 +125,7 @@ class RedisPageStore(PageStore):
         self._counters: dict[str, float] = dict.fromkeys(
             ("hits", "misses", "pages_written", "put_failed", "corruptions", "errors", "skipped_while_down",
              "bytes_read", "bytes_written", "round_trips", "in_flight", "pages_renewed", "renew_failed"), 0)
-        self._counters.update(get_latency_s=0.0, put_latency_s=0.0, match_latency_s=0.0)
+        self._counters.update(get_latency_s=0.0, put_latency_s=0.0, match_latency_s=0.0, renew_latency_s=0.0)
         self._closed = False
 
     # ----------------------------------------------------------------- keys
@@ -282,24 +282,36 @@ class RedisPageStore(PageStore):
                     get_latency_s=time.perf_counter() - start)
         return results
 
-    def renew(self, keys: list[PageKey]) -> int:
-        """Restart the TTL of the pages of ``keys`` (pipelined EXPIRE); how many the server holds.
-        Without a ``ttl_s`` nothing expires, and nothing is sent (0)."""
-        if not self.ttl_s or not keys or not self._available():
-            return 0
-        renewed = 0
+    def renew(self, keys: list[PageKey]) -> list[bool | None]:
+        """Restart the TTL of the pages of ``keys`` (pipelined EXPIRE). Per key: True renewed, False
+        not on the server (nothing is created), None not known: unreachable (then the rest of the keys
+        too), backing off, or a refused command (counted as ``renew_failed``). Without a ``ttl_s``
+        nothing expires and nothing is sent (all False)."""
+        out: list[bool | None] = [False] * len(keys)
+        if not self.ttl_s or not keys:
+            return out
+        if not self._available():
+            self._count(renew_failed=len(keys))
+            return [None] * len(keys)
+        t0, answered, refused = time.perf_counter(), 0, None
         try:
             for replies in self._pipelined(("expire", (self.key_name(k), self.ttl_s), {}) for k in keys):
-                renewed += sum(1 for r in replies if r is True or r == 1)
-                refused = next((r for r in replies if isinstance(r, BaseException)), None)
-                if refused is not None:
-                    raise refused
-            self._errors.success()
+                for r in replies:
+                    if isinstance(r, BaseException):
+                        out[answered], refused = None, refused or r
+                    else:
+                        out[answered] = r is True or r == 1
+                    answered += 1
+            if refused is None:
+                self._errors.success()
         except self._errors_types as exc:
-            self._failed("EXPIRE", exc, back_off=not isinstance(exc, self._redis.exceptions.ResponseError))
-            self._count(renew_failed=len(keys) - renewed)
-        self._count(pages_renewed=renewed)
-        return renewed
+            self._failed("EXPIRE", exc)
+            out[answered:] = [None] * (len(keys) - answered)
+        if refused is not None:  # (the server answered: no back-off)
+            self._failed("EXPIRE", refused, back_off=False)
+        self._count(pages_renewed=sum(r is True for r in out), renew_failed=sum(r is None for r in out),
+                    renew_latency_s=time.perf_counter() - t0)
+        return out
 
     @staticmethod
     def _check_value(value: bytes, key: PageKey, code: int, row: int) -> str | None:

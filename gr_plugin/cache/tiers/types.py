@@ -110,10 +110,11 @@ class PageStore(ABC):
     def match(self, namespace: str, user_id: int, page_hashes: list[int]) -> int:
         """Number of leading pages of ``page_hashes`` (pages ``0..``) this store holds."""
 
-    def renew(self, keys: list[PageKey]) -> int:
-        """Restart the expiry of the pages of ``keys`` that this store holds; how many it held. A
-        store whose pages do not expire (this default) renews nothing and answers 0."""
-        return 0
+    def renew(self, keys: list[PageKey]) -> list[bool | None]:
+        """Restart the expiry of the pages of ``keys`` that this store holds. Per key: True renewed,
+        False not held (or nothing to renew), None not known (the store could not be asked, or refused):
+        worth asking again. A store whose pages do not expire (this default) answers False for all."""
+        return [False] * len(keys)
 
     @abstractmethod
     def evict_user(self, namespace: str, user_id: int) -> None: ...

@@ -185,27 +185,49 @@ def test_renew_restarts_the_ttl_of_held_pages_only(redis_url, client):
     s.put_many(keys[:2], random_pages(2))
     for k in keys[:2]:
         client.expire(s.key_name(k), 5)
-    assert s.renew(keys) == 2  # (three round trips of two keys at most)
+    trips = s.stats()["round_trips"]
+    assert s.renew(keys) == [True, True, False]  # (two round trips of two keys at most)
+    assert s.stats()["round_trips"] == trips + 2
     assert [client.ttl(s.key_name(k)) for k in keys] == [100, 100, -2]  # the missing page is not created
-    assert s.stats()["pages_renewed"] == 2 and s.renew([]) == 0
+    st = s.stats()
+    assert (st["pages_renewed"], st["renew_failed"]) == (2, 0) and st["renew_latency_s"] > 0 and s.renew([]) == []
     plain = RedisPageStore(redis_url)  # no TTL: nothing is sent, nothing gets one
     trips = plain.stats()["round_trips"]
-    assert plain.renew(keys) == 0 and plain.stats()["round_trips"] == trips
+    assert plain.renew(keys) == [False] * 3 and plain.stats()["round_trips"] == trips
     plain.put_many(keys[2:], random_pages(1))
-    assert plain.renew(keys[2:]) == 0 and client.ttl(s.key_name(keys[2])) == -1
+    assert plain.renew(keys[2:]) == [False] and client.ttl(s.key_name(keys[2])) == -1
     s.close()
     plain.close()
 
 
-def test_renew_on_a_dead_server_answers_0_and_backs_off(redis_server, redis_url):
+def test_renew_on_a_dead_server_is_unknown_and_backs_off(redis_server, redis_url):
     s = RedisPageStore(redis_url, ttl_s=100, retry_after_s=60)
     keys = user_keys(1, 2)
     redis_server.kill()
-    assert s.renew(keys) == 0
+    assert s.renew(keys) == [None, None]
     assert s.stats()["renew_failed"] == 2 and s.stats()["errors"] == 1
-    assert s.renew(keys) == 0 and s.stats()["skipped_while_down"] == 1  # not even tried
+    assert s.renew(keys) == [None, None] and s.stats()["skipped_while_down"] == 1  # not even tried
+    assert s.stats()["renew_failed"] == 4  # (skipped: failed too)
     redis_server.restart()
     s.close()
+
+
+def test_a_refused_renewal_is_unknown_without_backing_off_and_the_rest_is_still_sent(redis_url, client):
+    owner = RedisPageStore(redis_url, ttl_s=100)
+    keys = user_keys(1, 3)
+    owner.put_many(keys, random_pages(3))
+    client.acl_setuser("no-expire", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-expire"])
+    try:
+        s = RedisPageStore(redis_url.replace("redis://", "redis://no-expire:pw@"), ttl_s=100, retry_after_s=60,
+                           max_batch=2)
+        assert s.renew(keys) == [None, None, None]  # NOPERM for each key, both batches sent
+        st = s.stats()
+        assert (st["renew_failed"], st["errors"], st["skipped_while_down"], st["round_trips"]) == (3, 1, 0, 2)
+        assert s.match("ns", 1, hashes(keys)) == 3  # the server answered: no back-off
+        s.close()
+    finally:
+        client.acl_deluser("no-expire")
+    owner.close()
 
 
 @pytest.mark.parametrize("kwargs, bad", [
