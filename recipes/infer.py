@@ -8,20 +8,23 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
+from gr_plugin.configs.checked import to_object
 
 
 @hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
 def main(cfg) -> None:
     hc = HydraConfig.get()
-    obj = OmegaConf.to_object(cfg)
+    obj = to_object(cfg)
     if obj.results_csv is None:
         base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir
         obj.results_csv = str(Path(base) / "results.csv")
-    summary = infer.run(obj, Path(hc.runtime.output_dir))
+    # (each override a column of results.csv, so a sweep's rows say what was swept; the summary's own
+    # columns win a clash, e.g. kvcache: the engine that ran)
+    columns = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in hc.overrides.task if "=" in o}
+    summary = infer.run(obj, Path(hc.runtime.output_dir), columns)
     print(infer.format_table(summary))
     print(f"outputs: {hc.runtime.output_dir}")
     if summary.get("equivalence") == "FAIL":

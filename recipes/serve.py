@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 
 import hydra
-from omegaconf import OmegaConf
 
 import gr_plugin.configs.serve  # noqa: F401 - registers the schemas
+from gr_plugin.configs.checked import to_object
 from gr_plugin.serving import app
 
 
 @hydra.main(config_path="../conf", config_name="serve", version_base="1.3")
 def main(cfg) -> None:
-    final = app.run(OmegaConf.to_object(cfg))
+    final = app.run(to_object(cfg))
     print(json.dumps(final, indent=2, default=str))
 
 

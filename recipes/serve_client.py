@@ -8,15 +8,15 @@ prints latency p50/p99, throughput and the cache's hit rate per tier.
 from __future__ import annotations
 
 import hydra
-from omegaconf import OmegaConf
 
 import gr_plugin.configs.serve  # noqa: F401 - registers the schemas
+from gr_plugin.configs.checked import to_object
 from gr_plugin.serving import client_app
 
 
 @hydra.main(config_path="../conf", config_name="serve_client", version_base="1.3")
 def main(cfg) -> None:
-    summary = client_app.run(OmegaConf.to_object(cfg))
+    summary = client_app.run(to_object(cfg))
     print(client_app.format_table(summary))
     if summary["errors"]:
         raise SystemExit(f"{summary['errors']} request(s) failed (see the log)")

@@ -11,17 +11,17 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import train
+from gr_plugin.configs.checked import to_object
 from gr_plugin.configs.schema import TrainConfig
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg) -> None:
     hc = HydraConfig.get()
-    obj: TrainConfig = OmegaConf.to_object(cfg)
+    obj: TrainConfig = to_object(cfg)
     given = any(o.split("=", 1)[0].lstrip("+~") == "ckpt_out" for o in hc.overrides.task)
     if hc.mode == RunMode.MULTIRUN and not given:
         # NOTE: the jobs of a sweep must not overwrite one another, nor the default that recipes.infer loads

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -53,14 +54,25 @@ def make_trainer(opts: TrainerOptions, callbacks: list, **overrides) -> L.Traine
     return L.Trainer(callbacks=callbacks, **kwargs)
 
 
+_HOST_GB_DEFAULT = KVCacheOptions().host_cache_gb  # (what flexkv's YAML inherits from the schema)
+
+
 def resolve_backend(opts: KVCacheOptions) -> str | None:
-    """Engine that serves a ``kvcache`` option (None: no cache). Tiers set for another backend are warned
-    about: only ``flexkv`` reads ``kvcache.tiers`` and ``kvcache.tier_config``."""
+    """Engine that serves a ``kvcache`` option (None: no cache). Options the backend does not read are
+    warned about: only ``flexkv`` reads ``kvcache.tiers`` and ``kvcache.tier_config``; ``flexkv`` sizes
+    its host tier by ``tiers.cpu_cache_gb``, not ``host_cache_gb``; ``gpu`` has no host tier."""
     if opts.backend not in BACKENDS:
         raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
     if opts.backend != "flexkv" and (opts.tier_config or opts.tiers != TierConfig()):
         warnings.warn(f"kvcache.tiers / kvcache.tier_config apply to the flexkv backend (+kvcache=flexkv); "
                       f"backend {opts.backend!r} ignores them", UserWarning, stacklevel=2)
+    if opts.backend == "flexkv" and opts.host_cache_gb != _HOST_GB_DEFAULT:
+        warnings.warn(f"kvcache.host_cache_gb={opts.host_cache_gb!r} is not read by the flexkv backend: its host "
+                      f"tier is kvcache.tiers.cpu_cache_gb (FlexKV's name; {opts.tiers.cpu_cache_gb!r} GB here)",
+                      UserWarning, stacklevel=2)
+    if opts.backend == "gpu" and opts.host_cache_gb != 0:
+        warnings.warn(f"kvcache.host_cache_gb={opts.host_cache_gb!r} is not read by the gpu backend (device pages "
+                      "only): +kvcache=native adds a host tier", UserWarning, stacklevel=2)
     if opts.backend == "none":
         return None
     return opts.backend
@@ -88,19 +100,55 @@ def command_line_tier_keys() -> set[str]:
     return keys
 
 
+def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: str) -> None:
+    """Refuse bad ``kvcache`` values before any data, weights or training: the device cache's shape and
+    capacity, ``host_cache_gb``, the tiers (a FlexKV YAML included) and an SSD directory that cannot be
+    created or written. Errors name the option (``kvcache.page_size``, ``kvcache.tiers.ssd_cache_dir``)
+    and the value; nothing is built (the SSD directory is created, as the run would)."""
+    if opts is None or opts.backend == "none":
+        if opts is not None and opts.backend not in BACKENDS:
+            raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+        return
+    if opts.backend not in BACKENDS:
+        raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    if opts.backend == "native" and not opts.host_cache_gb >= 0:
+        raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
+    try:
+        KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
+                      page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or dtype,
+                      namespace=opts.namespace)
+        tiers = _merged_tiers(opts)[0] if opts.backend == "flexkv" else None
+    except ValueError as exc:  # (the library's names for the options: KVCacheConfig.x, TierConfig.x)
+        raise ValueError(str(exc).replace("KVCacheConfig.", "kvcache.").replace("TierConfig.", "kvcache.tiers.")
+                         ) from exc
+    if tiers is not None and tiers.ssd_cache_gb > 0:
+        for d in tiers.ssd_cache_dirs:
+            try:
+                Path(d).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"kvcache.tiers.ssd_cache_dir={d!r} cannot be created: {exc.strerror or exc}") from exc
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"kvcache.tiers.ssd_cache_dir={d!r} is not writable by this process")
+
+
+def _merged_tiers(opts: KVCacheOptions, command_line: set[str] | None = None) -> tuple[TierConfig, list[str]]:
+    """`tier_config`'s merge, without its log lines: the tiers, and the keys the command line kept."""
+    base, kept = dataclasses.asdict(opts.tiers), []
+    if opts.tier_config:
+        named = tier_keys(opts.tier_config)
+        kept = sorted(set(named) & (command_line_tier_keys() if command_line is None else command_line))
+        base.update({k: v for k, v in named.items() if k not in kept})
+    return load_tier_config(base), kept
+
+
 def tier_config(opts: KVCacheOptions, command_line: set[str] | None = None) -> TierConfig:
     """The ``flexkv`` tiers: ``kvcache.tiers``, where the FlexKV YAML ``tier_config`` names a key its value,
     unless the command line set that key too (``command_line``, None: `command_line_tier_keys`): as in
     Hydra, the command line wins, then the file, then the config group's values (the keys the file does not
     name keep ``kvcache.tiers``'s, e.g. our ``remote_ttl_s``)."""
-    base = dataclasses.asdict(opts.tiers)
-    if opts.tier_config:
-        named = tier_keys(opts.tier_config)
-        kept = sorted(set(named) & (command_line_tier_keys() if command_line is None else command_line))
-        if kept:
-            logger.info("kvcache.tiers.%s set on the command line: kept over %s's", ", ".join(kept), opts.tier_config)
-        base.update({k: v for k, v in named.items() if k not in kept})
-    tiers = load_tier_config(base)
+    tiers, kept = _merged_tiers(opts, command_line)
+    if kept:
+        logger.info("kvcache.tiers.%s set on the command line: kept over %s's", ", ".join(kept), opts.tier_config)
     found = importlib.util.find_spec("flexkv") is not None
     remote = "off"
     if tiers.enable_3rd_remote:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from gr_plugin.apps import train as train_app
 from gr_plugin.apps.common import (
     cache_namespace,
+    check_cache_options,
     load_module,
     make_cache,
     make_datamodule,
@@ -48,7 +49,8 @@ STAGES = tuple(_LOADERS)
 
 
 def check_options(cfg: InferConfig) -> None:
-    """Refuse a bad ``stage`` or ``max_batches`` before any expensive work."""
+    """Refuse a bad ``stage``, ``max_batches`` or ``kvcache`` value before any expensive work."""
+    check_cache_options(cfg.kvcache, cfg.model, cfg.dtype)
     if cfg.stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {cfg.stage!r}")
     if cfg.max_batches is not None and cfg.max_batches < 1:
@@ -59,6 +61,7 @@ def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
     """The model's weights and a description of them. Also salts ``cfg.kvcache.namespace`` with the
     weights' fingerprint (`cache_namespace`), so every cache made from ``cfg`` afterwards (infer,
     export, serve) holds these weights' K/V only."""
+    check_cache_options(cfg.kvcache, cfg.model, getattr(cfg, "dtype", "float32"))  # (before training one)
     module, weights = _find_weights(cfg)
     if cfg.kvcache is not None:
         cfg.kvcache = dataclasses.replace(cfg.kvcache, namespace=cache_namespace(cfg.kvcache.namespace, module))
@@ -100,7 +103,10 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
+def run(cfg: InferConfig, out_dir: Path, columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replay and compare (module docstring); writes under ``out_dir`` and appends a row to
+    ``cfg.results_csv``, led by ``columns`` (the recipe's: the overrides of this run, e.g. a sweep's
+    swept keys)."""
     check_options(cfg)
     L.seed_everything(cfg.seed)
     device = pick_device(cfg.device)
@@ -115,118 +121,126 @@ def run(cfg: InferConfig, out_dir: Path) -> dict[str, Any]:
     oracle = RankingEngine(copy.deepcopy(model), None, device) if dtype != torch.float32 and cfg.compare else None
     model = model.to(dtype)
     cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
-    engine_name = "none" if cache is None else resolve_backend(cfg.kvcache)
-    dm.setup(cfg.stage)
-    loader = getattr(dm, _LOADERS[cfg.stage])()
-    # NOTE: on CUDA both passes replay CUDA graphs per shape bucket (``kvcache.cuda_graphs``): timed
-    # side by side, the cached pass is not compared against a recompute slowed by its kernel launches.
-    graphs = cfg.kvcache is not None and cfg.kvcache.cuda_graphs
-    cached_engine = RankingEngine(model, cache, device, cuda_graphs=graphs) if cache is not None else None
-    full_engine = RankingEngine(model, None, device, cuda_graphs=graphs)
+    try:  # (closed at the end: a sweep's next job in this process opens the same SSD directory)
+        engine_name = "none" if cache is None else resolve_backend(cfg.kvcache)
+        dm.setup(cfg.stage)
+        loader = getattr(dm, _LOADERS[cfg.stage])()
+        # NOTE: on CUDA both passes replay CUDA graphs per shape bucket (``kvcache.cuda_graphs``): timed
+        # side by side, the cached pass is not compared against a recompute slowed by its kernel launches.
+        graphs = cfg.kvcache is not None and cfg.kvcache.cuda_graphs
+        cached_engine = RankingEngine(model, cache, device, cuda_graphs=graphs) if cache is not None else None
+        full_engine = RankingEngine(model, None, device, cuda_graphs=graphs)
 
-    rows: list[dict[str, Any]] = []
-    logits_all, labels_all, req_all = [], [], []
-    max_diff = 0.0
-    errs = {"cached": 0.0, "full": 0.0}  # against the fp32 recomputation (half precision only)
-    total = len(loader) if cfg.max_batches is None else min(cfg.max_batches, len(loader))
-    for i, batch in enumerate(tqdm(loader, total=total, desc="infer", unit="batch")):
-        if i >= total:
-            break
-        row: dict[str, Any] = {"batch": i, "users": batch.batch_size,
-                               "returning": bool((batch.visit_index > 0).all()),
-                               "history_tokens": int(batch.history_lengths.sum())}
-        ref = None
-        if cached_engine is not None:
-            _sync(device)
-            t0 = time.perf_counter()
-            res = cached_engine.score(batch)
-            _sync(device)
-            row["cached_ms"] = (time.perf_counter() - t0) * 1e3
-            row.update(reused=res.cached_tokens, onboarded=res.onboarded_tokens, computed=res.computed_tokens,
-                       fell_back=res.fell_back)
-            ref = res.logits
-        if cached_engine is None or cfg.compare:
-            _sync(device)
-            t0 = time.perf_counter()
-            full = full_engine.score(batch).logits
-            _sync(device)
-            row["full_ms"] = (time.perf_counter() - t0) * 1e3
-            if ref is not None:
-                diff = (ref.float() - full.float()).abs().max().item()
-                row["max_abs_diff"] = diff
-                max_diff = max(max_diff, diff)
-                if oracle is not None:
-                    exact = oracle.score(batch).logits.float()
-                    for name, got in (("cached", ref), ("full", full)):
-                        errs[name] = max(errs[name], (got.float() - exact).abs().max().item())
+        rows: list[dict[str, Any]] = []
+        logits_all, labels_all, req_all = [], [], []
+        max_diff = 0.0
+        errs = {"cached": 0.0, "full": 0.0}  # against the fp32 recomputation (half precision only)
+        total = len(loader) if cfg.max_batches is None else min(cfg.max_batches, len(loader))
+        for i, batch in enumerate(tqdm(loader, total=total, desc="infer", unit="batch")):
+            if i >= total:
+                break
+            row: dict[str, Any] = {"batch": i, "users": batch.batch_size,
+                                   "returning": bool((batch.visit_index > 0).all()),
+                                   "history_tokens": int(batch.history_lengths.sum())}
+            ref = None
+            if cached_engine is not None:
+                _sync(device)
+                t0 = time.perf_counter()
+                res = cached_engine.score(batch)
+                _sync(device)
+                row["cached_ms"] = (time.perf_counter() - t0) * 1e3
+                row.update(reused=res.cached_tokens, onboarded=res.onboarded_tokens, computed=res.computed_tokens,
+                           fell_back=res.fell_back)
+                ref = res.logits
+            if cached_engine is None or cfg.compare:
+                _sync(device)
+                t0 = time.perf_counter()
+                full = full_engine.score(batch).logits
+                _sync(device)
+                row["full_ms"] = (time.perf_counter() - t0) * 1e3
+                if ref is not None:
+                    diff = (ref.float() - full.float()).abs().max().item()
+                    row["max_abs_diff"] = diff
+                    max_diff = max(max_diff, diff)
+                    if oracle is not None:
+                        exact = oracle.score(batch).logits.float()
+                        for name, got in (("cached", ref), ("full", full)):
+                            errs[name] = max(errs[name], (got.float() - exact).abs().max().item())
+                else:
+                    ref = full
+            logits_all.append(ref.float().cpu())
+            labels_all.append(batch.labels)
+            request_ids = torch.full((batch.batch_size,), i) * 1000 + torch.arange(batch.batch_size)
+            req_all.append(torch.repeat_interleave(request_ids, batch.candidate_lengths))
+            rows.append(row)
+
+        logits, labels, req = torch.cat(logits_all), torch.cat(labels_all), torch.cat(req_all)
+        quality = {
+            "auc_liked": BinaryAUROC()(logits[:, 0], labels[:, 0].long()).item(),
+            "auc_watched": BinaryAUROC()(logits[:, 1], labels[:, 1].long()).item(),
+            "ndcg@10": RetrievalNormalizedDCG(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
+            "hr@10": RetrievalHitRate(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
+        }
+        timed = rows[cfg.warmup_batches:] or rows
+        summary: dict[str, Any] = {
+            "weights": weights, "device": str(device), "dtype": cfg.dtype, "kvcache": engine_name,
+            "kvcache_option": None if cfg.kvcache is None else cfg.kvcache.backend,
+            "kvcache_namespace": None if cache is None else cfg.kvcache.namespace,
+            # (the tiers that ran: a FlexKV tier YAML's values over the config group's, no password)
+            **({"kvcache_tiers": redact(dataclasses.asdict(cache.manager.backend.tiers))}
+               if engine_name == "flexkv" else {}),
+            "batches": len(rows), "requests": sum(r["users"] for r in rows),
+            "returning_batches": sum(r["returning"] for r in rows), **quality,
+        }
+        for name, eng in (("cached", cached_engine), ("full", full_engine)):
+            g = None if eng is None else (eng.graphs or eng.full_graphs)
+            if g is not None:  # (CUDA graphs: each shape bucket is captured at its second sighting)
+                summary[f"{name}_graph_captures"], summary[f"{name}_graph_replays"] = g.captures, g.replays
+        for key in ("cached_ms", "full_ms"):
+            vals = [r[key] for r in timed if key in r]
+            rep = [r[key] for r in timed if key in r and r["returning"]]
+            if vals:
+                summary[f"{key}_p50"], summary[f"{key}_p99"] = _pct(vals, 0.5), _pct(vals, 0.99)
+                summary[f"{key}_mean"] = statistics.fmean(vals)
+            if rep:
+                summary[f"{key}_p50_returning"] = _pct(rep, 0.5)
+        if cache is not None:
+            cache.manager.offload_flush()
+            stats = cache.stats()
+            req_tokens = stats["tokens_requested"] or 1
+            lower = {t: stats.get(f"tokens_reused_{t}", 0) for t in ("ssd", "remote")}
+            summary.update(
+                hit_rate=stats["hit_rate"], hit_rate_device=stats["tokens_reused_device"] / req_tokens,
+                hit_rate_host=(stats["tokens_reused_host"] - sum(lower.values())) / req_tokens,
+                hit_rate_ssd=lower["ssd"] / req_tokens, hit_rate_remote=lower["remote"] / req_tokens,
+                tier_tasks=stats.get("tasks_launched", 0), tier_task_timeouts=stats.get("tasks_timed_out", 0),
+                tier_task_ms_mean=1e3 * stats.get("task_latency_s_sum", 0.0) / max(1, stats.get("tasks_ready", 0)),
+                tokens_reused=stats["tokens_reused"],
+                tokens_computed=stats["tokens_computed"], tokens_requested=stats["tokens_requested"],
+                evicted_users=stats["evicted_users"], onboard_bytes=stats["onboard_bytes"],
+                offload_bytes=stats["offload_bytes"], fallbacks=sum(bool(r.get("fell_back")) for r in rows),
+            )
+            if "full_ms_mean" in summary:
+                summary["speedup_mean"] = summary["full_ms_mean"] / summary["cached_ms_mean"]
+                if "cached_ms_p50_returning" in summary:
+                    summary["speedup_p50_returning"] = (summary["full_ms_p50_returning"]
+                                                        / summary["cached_ms_p50_returning"])
+        if cache is not None and cfg.compare:
+            summary["max_abs_diff"] = max_diff
+            if oracle is None:
+                summary["equivalence"] = "PASS" if max_diff <= cfg.tolerance else "FAIL"
             else:
-                ref = full
-        logits_all.append(ref.float().cpu())
-        labels_all.append(batch.labels)
-        request_ids = torch.full((batch.batch_size,), i) * 1000 + torch.arange(batch.batch_size)
-        req_all.append(torch.repeat_interleave(request_ids, batch.candidate_lengths))
-        rows.append(row)
-
-    logits, labels, req = torch.cat(logits_all), torch.cat(labels_all), torch.cat(req_all)
-    quality = {
-        "auc_liked": BinaryAUROC()(logits[:, 0], labels[:, 0].long()).item(),
-        "auc_watched": BinaryAUROC()(logits[:, 1], labels[:, 1].long()).item(),
-        "ndcg@10": RetrievalNormalizedDCG(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
-        "hr@10": RetrievalHitRate(top_k=10)(logits[:, 1], labels[:, 1].bool(), indexes=req).item(),
-    }
-    timed = rows[cfg.warmup_batches:] or rows
-    summary: dict[str, Any] = {
-        "weights": weights, "device": str(device), "dtype": cfg.dtype, "kvcache": engine_name,
-        "kvcache_option": None if cfg.kvcache is None else cfg.kvcache.backend,
-        "kvcache_namespace": None if cache is None else cfg.kvcache.namespace,
-        "batches": len(rows), "requests": sum(r["users"] for r in rows),
-        "returning_batches": sum(r["returning"] for r in rows), **quality,
-    }
-    for name, eng in (("cached", cached_engine), ("full", full_engine)):
-        g = None if eng is None else (eng.graphs or eng.full_graphs)
-        if g is not None:  # (CUDA graphs: each shape bucket is captured at its second sighting)
-            summary[f"{name}_graph_captures"], summary[f"{name}_graph_replays"] = g.captures, g.replays
-    for key in ("cached_ms", "full_ms"):
-        vals = [r[key] for r in timed if key in r]
-        rep = [r[key] for r in timed if key in r and r["returning"]]
-        if vals:
-            summary[f"{key}_p50"], summary[f"{key}_p99"] = _pct(vals, 0.5), _pct(vals, 0.99)
-            summary[f"{key}_mean"] = statistics.fmean(vals)
-        if rep:
-            summary[f"{key}_p50_returning"] = _pct(rep, 0.5)
-    if cache is not None:
-        cache.manager.offload_flush()
-        stats = cache.stats()
-        req_tokens = stats["tokens_requested"] or 1
-        lower = {t: stats.get(f"tokens_reused_{t}", 0) for t in ("ssd", "remote")}
-        summary.update(
-            hit_rate=stats["hit_rate"], hit_rate_device=stats["tokens_reused_device"] / req_tokens,
-            hit_rate_host=(stats["tokens_reused_host"] - sum(lower.values())) / req_tokens,
-            hit_rate_ssd=lower["ssd"] / req_tokens, hit_rate_remote=lower["remote"] / req_tokens,
-            tier_tasks=stats.get("tasks_launched", 0), tier_task_timeouts=stats.get("tasks_timed_out", 0),
-            tier_task_ms_mean=1e3 * stats.get("task_latency_s_sum", 0.0) / max(1, stats.get("tasks_ready", 0)),
-            tokens_reused=stats["tokens_reused"],
-            tokens_computed=stats["tokens_computed"], tokens_requested=stats["tokens_requested"],
-            evicted_users=stats["evicted_users"], onboard_bytes=stats["onboard_bytes"],
-            offload_bytes=stats["offload_bytes"], fallbacks=sum(bool(r.get("fell_back")) for r in rows),
-        )
-        if "full_ms_mean" in summary:
-            summary["speedup_mean"] = summary["full_ms_mean"] / summary["cached_ms_mean"]
-            if "cached_ms_p50_returning" in summary:
-                summary["speedup_p50_returning"] = (summary["full_ms_p50_returning"]
-                                                    / summary["cached_ms_p50_returning"])
-    if cache is not None and cfg.compare:
-        summary["max_abs_diff"] = max_diff
-        if oracle is None:
-            summary["equivalence"] = "PASS" if max_diff <= cfg.tolerance else "FAIL"
-        else:
-            summary["max_err_cached_vs_fp32"], summary["max_err_full_vs_fp32"] = errs["cached"], errs["full"]
-            summary["equivalence"] = "PASS" if errs["cached"] <= 2 * errs["full"] else "FAIL"
-    _write(out_dir, summary, rows, cfg)
-    return summary
+                summary["max_err_cached_vs_fp32"], summary["max_err_full_vs_fp32"] = errs["cached"], errs["full"]
+                summary["equivalence"] = "PASS" if errs["cached"] <= 2 * errs["full"] else "FAIL"
+        _write(out_dir, summary, rows, cfg, columns)
+        return summary
+    finally:
+        if cache is not None:
+            cache.manager.close()
 
 
-def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], cfg: InferConfig) -> None:
+def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], cfg: InferConfig,
+           columns: dict[str, Any] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = redact(OmegaConf.to_container(OmegaConf.structured(cfg)))  # (no password of a remote tier's URL)
     (out_dir / "summary.json").write_text(json.dumps({"summary": summary, "config": config}, indent=2, default=str))
@@ -236,17 +250,40 @@ def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], c
         w.writeheader()
         w.writerows(rows)
     if cfg.results_csv:
-        path = Path(cfg.results_csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        flat = {"page_size": getattr(cfg.kvcache, "page_size", None), "batch_size": cfg.data.batch_size,
+        flat = {**(columns or {}), "page_size": getattr(cfg.kvcache, "page_size", None),
+                "batch_size": cfg.data.batch_size,
                 **{k: v for k, v in summary.items() if not isinstance(v, (dict, list))}}
-        new = not path.exists()
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(flat))
-            if new:
-                w.writeheader()
-            w.writerow(flat)
+        append_row(Path(cfg.results_csv), flat)
     _plot(out_dir / "latency.png", rows, summary)
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to the CSV at ``path`` (a sweep's ``results.csv``, one row per job). A row with
+    columns the file lacks (a job without a cache has no hit rates, one with has no fewer) rewrites the
+    file under the union of the columns, old columns first: every row stays under its header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header: list[str] = []
+    if path.exists() and path.stat().st_size:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+    missing = [k for k in row if k not in header]
+    if header and missing:
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+        fields = header + missing
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(old)
+            w.writerow(row)
+        tmp.replace(path)
+        return
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=header or list(row))
+        if not header:
+            w.writeheader()
+        w.writerow(row)
 
 
 def _plot(path: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:

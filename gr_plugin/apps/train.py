@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lightning as L
 
-from gr_plugin.apps.common import make_callback, make_datamodule, make_trainer
+from gr_plugin.apps.common import check_cache_options, make_callback, make_datamodule, make_trainer
 from gr_plugin.configs.schema import TrainConfig
 from gr_plugin.lightning import HSTURankingModule
 
@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(cfg: TrainConfig, *, enable_checkpointing: bool = False, logger_dir: str | None = None) -> dict:
+    check_cache_options(cfg.kvcache, cfg.model, "float32")  # (before the data loads)
     L.seed_everything(cfg.seed, workers=True)
     dm = make_datamodule(cfg.data)
     if cfg.model.num_items < dm.num_items:

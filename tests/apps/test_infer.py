@@ -1,5 +1,6 @@
 """recipes.infer end to end on a tiny model: every kvcache option equals full recomputation."""
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -122,7 +123,8 @@ def test_multirun_sweep_writes_one_row_per_run(tmp_path):
            f"default_ckpt={tmp_path}/none.ckpt", f"hydra.sweep.dir={tmp_path}/sweep", "hydra/job_logging=disabled"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = (tmp_path / "sweep" / "results.csv").read_text().strip().splitlines()
-    assert len(lines) == 5  # header + 4 runs
-    assert {ln.split(",")[0] + "," + ln.split(",")[1] for ln in lines[1:]} == {"4,2", "4,4", "8,2", "8,4"}
-    assert all(",PASS" in ln for ln in lines[1:])
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv", newline="")))
+    assert len(rows) == 4  # one per run, each led by its overrides
+    assert {(r["kvcache.page_size"], r["data.batch_size"]) for r in rows} == {("4", "2"), ("4", "4"), ("8", "2"),
+                                                                              ("8", "4")}
+    assert all(r["page_size"] == r["kvcache.page_size"] and r["equivalence"] == "PASS" for r in rows)

@@ -237,3 +237,135 @@ def test_tiers_set_for_another_backend_are_warned_about(tmp_path):
         warnings.simplefilter("error")
         assert resolve_backend(KVCacheOptions(backend="native")) == "native"
         assert resolve_backend(KVCacheOptions(backend="flexkv", tiers=TierConfig(remote_ttl_s=60))) == "flexkv"
+
+
+@pytest.mark.parametrize("recipe, overrides, error", [
+    ("infer", ["+kvcache=native", "+kvcache.page_sise=64"],
+     r"kvcache\.page_sise \(did you mean kvcache\.page_size\?\)"),
+    ("infer", ["+kvcache=flexkv", "+kvcache.tiers.cpu_cache=2"], r"kvcache\.tiers\.cpu_cache \(did you mean"),
+    ("train", ["+trainer.max_step=3"], r"trainer\.max_step \(did you mean trainer\.max_steps\?\)"),
+    ("export", ["+model.num_layrs=3"], r"model\.num_layrs"),
+    ("serve", ["kvcache=gpu", "+kvcache.backnd=none"], r"kvcache\.backnd"),
+])
+def test_a_key_added_with_plus_that_no_schema_has_is_refused(recipe, overrides, error):
+    """Hydra's ``+`` appends a key even to a structured config and ``OmegaConf.to_object`` then drops it:
+    ``+kvcache.page_sise=64`` ran with page_size 32 and no word. The recipes' `to_object` refuses it."""
+    from gr_plugin.configs.checked import to_object, unknown_keys
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name=recipe, overrides=overrides)
+        assert OmegaConf.to_object(cfg)  # (what the recipes did: no error)
+        with pytest.raises(ValueError, match=error):
+            to_object(cfg)
+        for name in ("train", "infer", "export", "serve", "serve_client"):  # every recipe's defaults pass
+            assert unknown_keys(compose(config_name=name, overrides=["+kvcache=flexkv"] if name == "infer" else [])) \
+                == []
+
+
+def _bad_tiers(tmp_path):
+    from gr_plugin.cache.tiers import TierConfig
+
+    (tmp_path / "file").write_text("")
+    return TierConfig(ssd_cache_gb=1.0, ssd_cache_dir=str(tmp_path / "file" / "ssd"))
+
+
+@pytest.mark.parametrize("opts, error", [
+    (dict(backend="native", page_size=0), r"kvcache\.page_size must be a positive int, got 0"),
+    (dict(backend="flexkv", num_pages=0), r"kvcache\.num_pages must be a positive int, got 0"),
+    (dict(backend="gpu", dtype="float64"), r"kvcache\.dtype must be one of"),
+    (dict(backend="flexkv", tier_config="/nonexistent/tiers.yaml"), r"'/nonexistent/tiers.yaml' cannot be read"),
+    (dict(backend="flexkv", tiers="ttl0"), r"kvcache\.tiers\.remote_ttl_s must be an int"),
+    (dict(backend="flexkv", tiers="file"), r"kvcache\.tiers\.ssd_cache_dir='.*file/ssd' cannot be created"),
+    (dict(backend="nativ"), r"kvcache\.backend must be one of .* got 'nativ'"),
+])
+def test_bad_kvcache_values_fail_before_data_weights_or_training(tmp_path, monkeypatch, opts, error):
+    """A bad ``kvcache`` value used to surface only when the cache was built: after the data loaded and,
+    without a checkpoint, after training one. Now infer and train refuse it first, by the option's name."""
+    from gr_plugin.cache.tiers import TierConfig
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("data or weights were loaded before the kvcache options were checked")
+
+    opts = dict(opts)
+    if opts.get("tiers") == "ttl0":  # (a tier YAML's value: TierConfig itself refuses it on construction)
+        (tmp_path / "tiers.yaml").write_text("remote_ttl_s: 0\n")
+        opts["tiers"], opts["tier_config"] = TierConfig(), str(tmp_path / "tiers.yaml")
+    elif opts.get("tiers") == "file":
+        opts["tiers"] = _bad_tiers(tmp_path)
+    kv = KVCacheOptions(**opts)
+    for module in (infer, train_app):
+        monkeypatch.setattr(module, "make_datamodule", no_work)
+    monkeypatch.setattr(infer, "_find_weights", no_work)
+    cfg = tiny_cfg(tmp_path, kv)
+    cfg.train_if_missing = True  # (no checkpoint: a run would train one first)
+    with pytest.raises(ValueError, match=error):
+        infer.run(cfg, tmp_path / "out")
+    with pytest.raises(ValueError, match=error):
+        train_app.run(TrainConfig(model=tiny_cfg(tmp_path).model, kvcache=kv, ckpt_out=str(tmp_path / "t.ckpt")))
+
+
+def test_host_cache_gb_under_a_backend_that_does_not_read_it_is_warned_about():
+    """``+kvcache=flexkv kvcache.host_cache_gb=4`` was silently ignored (flexkv's host tier is
+    ``tiers.cpu_cache_gb``), and so was any host cache under ``gpu``."""
+    import warnings
+
+    from gr_plugin.apps.common import resolve_backend
+
+    with pytest.warns(UserWarning, match=r"host_cache_gb=4.0 is not read by the flexkv backend: .*cpu_cache_gb"):
+        resolve_backend(KVCacheOptions(backend="flexkv", host_cache_gb=4.0))
+    with pytest.warns(UserWarning, match=r"kvcache.host_cache_gb=2.0 is not read by the gpu backend"):
+        resolve_backend(KVCacheOptions(backend="gpu", host_cache_gb=2.0))
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (each option's own YAML defaults warn about nothing)
+        for option in ("gpu", "native", "flexkv"):
+            resolve_backend(OmegaConf.to_object(compose(config_name="infer", overrides=[f"+kvcache={option}"])).kvcache)
+
+
+def test_results_csv_keeps_every_row_under_its_header(tmp_path):
+    """A sweep over ``kvcache=none,native`` appended rows with more columns under the first job's header
+    (a malformed CSV); the file now grows to the union of the columns and every row reads back right."""
+    import csv
+
+    path = tmp_path / "sweep" / "results.csv"
+    infer.append_row(path, {"kvcache": "none", "full_ms_p50": 2.0})
+    infer.append_row(path, {"kvcache": "native", "full_ms_p50": 3.0, "hit_rate": 0.5, "equivalence": "PASS"})
+    infer.append_row(path, {"kvcache": "none", "full_ms_p50": 4.0})
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert open(path).readline().strip() == "kvcache,full_ms_p50,hit_rate,equivalence"
+    assert rows == [{"kvcache": "none", "full_ms_p50": "2.0", "hit_rate": "", "equivalence": ""},
+                    {"kvcache": "native", "full_ms_p50": "3.0", "hit_rate": "0.5", "equivalence": "PASS"},
+                    {"kvcache": "none", "full_ms_p50": "4.0", "hit_rate": "", "equivalence": ""}]
+
+
+def test_a_sweep_records_its_swept_keys(tmp_path):
+    """Each job's row of ``results.csv`` leads with its overrides (before: only page_size and batch_size were
+    recorded, and a none/flexkv sweep wrote rows under the wrong header)."""
+    import csv
+
+    cmd = [sys.executable, "-m", "recipes.infer", "-m", *TINY_SYNTHETIC, "+kvcache=none,flexkv", "data.batch_size=2,4",
+           "max_batches=2", "train_if_missing=false", f"default_ckpt={tmp_path}/none.ckpt",
+           f"hydra.sweep.dir={tmp_path}/sweep", "hydra/job_logging=disabled"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "results.csv", newline="")))
+    assert sorted((r["kvcache"], r["data.batch_size"]) for r in rows) == [("flexkv", "2"), ("flexkv", "4"),
+                                                                         ("none", "2"), ("none", "4")]
+    assert all(r["data.source_kwargs.num_users"] == "8" for r in rows)
+    assert all(r["equivalence"] == ("PASS" if r["kvcache"] == "flexkv" else "") for r in rows)
+    assert all(bool(r["hit_rate"]) == (r["kvcache"] == "flexkv") for r in rows)
+
+
+def test_a_flexkv_runs_summary_holds_the_tiers_that_ran(tmp_path):
+    """summary.json's config holds the config group's ``kvcache.tiers``; a tier YAML replaced some of them,
+    and the summary now says which ran (``kvcache_tiers``)."""
+    import json
+
+    path = tmp_path / "tiers.yaml"
+    path.write_text(f"cpu_cache_gb: 0.01\nssd_cache_gb: 0.02\nssd_cache_dir: {tmp_path / 'ssd'}\n")
+    opts = KVCacheOptions(backend="flexkv", page_size=4, num_pages=96, tier_config=str(path))
+    summary = infer.run(tiny_cfg(tmp_path, opts, max_batches=2), tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["summary"]["kvcache_tiers"] == summary["kvcache_tiers"]
+    assert (summary["kvcache_tiers"]["cpu_cache_gb"], summary["kvcache_tiers"]["ssd_cache_gb"]) == (0.01, 0.02)
+    assert saved["config"]["kvcache"]["tiers"]["cpu_cache_gb"] == 1.0  # (the group's, as composed)
