@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -51,30 +52,32 @@ def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[st
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = package or str(out_dir / "cached_model.pt2")
-    cache = make_cache(opts, cfg.model, device, dtype)
-    plan, history, candidates = begin(cache, batches[0])
-    t0 = time.perf_counter()
-    export_package(model, cache, history, candidates, plan, path)
-    export_s = time.perf_counter() - t0
-    cache.abort(plan)
+    # NOTE: each phase's cache is closed before the next one is made: a flexkv cache holds its SSD
+    # directory's lock until closed, and every phase uses the same directory.
+    with closing(make_cache(opts, cfg.model, device, dtype)) as cache:
+        plan, history, candidates = begin(cache, batches[0])
+        t0 = time.perf_counter()
+        export_package(model, cache, history, candidates, plan, path)
+        export_s = time.perf_counter() - t0
+        cache.abort(plan)
     results: dict[str, dict[str, Any]] = {}
     for mode in ("eager", "package"):
-        cache = make_cache(opts, cfg.model, device, dtype)
-        packaged = PackagedCachedRanker(model, cache, path) if mode == "package" else None
-        times, diffs, reused = [], [], 0
-        for batch in batches:
-            plan, history, candidates = begin(cache, batch)
-            with torch.no_grad():
-                full = model(history, candidates)
-                t = time.perf_counter()
-                got = (packaged.score(history, candidates, plan) if packaged is not None
-                       else model.forward_cached(history, candidates, cache, plan))
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) * 1e3)
-            reused += sum(plan.cached_lengths)
-            cache.commit(plan)
-            diffs.append((got.float() - full.float()).abs().max().item())
+        with closing(make_cache(opts, cfg.model, device, dtype)) as cache:
+            packaged = PackagedCachedRanker(model, cache, path) if mode == "package" else None
+            times, diffs, reused = [], [], 0
+            for batch in batches:
+                plan, history, candidates = begin(cache, batch)
+                with torch.no_grad():
+                    full = model(history, candidates)
+                    t = time.perf_counter()
+                    got = (packaged.score(history, candidates, plan) if packaged is not None
+                           else model.forward_cached(history, candidates, cache, plan))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t) * 1e3)
+                reused += sum(plan.cached_lengths)
+                cache.commit(plan)
+                diffs.append((got.float() - full.float()).abs().max().item())
         results[mode] = {"ms_p50": statistics.median(times), "max_abs_diff_vs_full": max(diffs),
                          "tokens_reused": reused}
     stream = None
@@ -82,9 +85,9 @@ def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[st
         if device.type == "cpu":
             # NOTE: a fresh device-only cache: the C++ runner keeps device pages only, so this run's
             # cached lengths are what the runner's must be.
-            cache = make_cache(dataclasses.replace(opts, backend="gpu"), cfg.model, device, dtype)
-            stream = str(record_stream(model, cache, (StreamBatch(b.user_ids.tolist(), *batch_to_kjts(b))
-                                                      for b in batches), out_dir / "stream"))
+            with closing(make_cache(dataclasses.replace(opts, backend="gpu"), cfg.model, device, dtype)) as cache:
+                stream = str(record_stream(model, cache, (StreamBatch(b.user_ids.tolist(), *batch_to_kjts(b))
+                                                          for b in batches), out_dir / "stream"))
         else:
             logger.warning("stream: streams are recorded on the CPU; not written for device %s", device)
     summary = {"weights": weights, "device": str(device), "package": path, "stream": stream, "export_s": export_s,

@@ -96,6 +96,11 @@ class KVCacheModule(nn.Module):
     def commit(self, plan: BatchPlan) -> None:
         self.manager.commit(plan)
 
+    def close(self) -> None:
+        """Stop the manager's transfers and close its tiers (threads, files, an SSD directory's lock,
+        a Redis connection); idempotent. Works with ``contextlib.closing``."""
+        self.manager.close()
+
     def abort(self, plan: BatchPlan) -> None:
         self.manager.abort(plan)
 

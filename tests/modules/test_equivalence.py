@@ -135,3 +135,13 @@ def test_flexkv_streams_through_every_tier_equal_recompute(tmp_path, redis_url):
     s = cache.stats()
     assert s["ssd_pages_fetched"] > 0 and s["tokens_reused_host"] > 0 and s["evicted_users"] > 0
     assert s["remote_pages_written"] > 0
+    with pytest.raises(ValueError, match="in use by another store"):  # (the SSD directory is locked while open)
+        KVCacheModule(cfg, "flexkv", tiers=tiers)
+    cache.close()
+    cache.close()  # (idempotent)
+    again = KVCacheModule(cfg, "flexkv", tiers=tiers)  # closed: the next cache (a sweep's next job) takes it
+    cands = [users[0].candidates(3)]
+    out, plan = cached_scores(model, again, [users[0]], cands)
+    assert plan.cached_lengths[0] > 0  # (from Redis: this replica's SSD and host start empty)
+    assert_same(out, full_scores(model, [users[0]], cands))
+    again.close()
