@@ -75,6 +75,11 @@ class KVCacheCallback(Callback):
         cuda_graphs: on CUDA, replay the cached steps as CUDA graphs per shape bucket where the model
             supports it (`CachedStackGraphs.supported`); each bucket is captured the second time its
             shape is seen, earlier steps and unsupported models run eagerly. Same logits either way.
+
+    After each served stage's epoch, ``metrics[stage]`` (``"validate"``, ``"test"``, ``"predict"``) holds
+    that epoch's cache figures (hit_rate, tokens reused/computed, evictions, tier reads; summed over
+    ranks), also logged as ``kvcache/<val|test|predict>/<name>`` where Lightning logs (not predict);
+    ``cache`` is the `KVCacheModule` (its ``stats()``: the running totals) once a stage has started.
     """
 
     def __init__(self, backend: str = "native", *, page_size: int = 32, num_pages: int = 1024,
@@ -83,6 +88,11 @@ class KVCacheCallback(Callback):
                  tiers: TierConfig | Mapping[str, Any] | str | os.PathLike | None = None,
                  cuda_graphs: bool = True) -> None:
         super().__init__()
+        if isinstance(stages, str):  # (one stage by name: not its letters)
+            stages = (stages,)
+        for name, flag in (("write_through", write_through), ("cuda_graphs", cuda_graphs)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"KVCacheCallback {name} must be a bool, got {flag!r}")
         for s in stages:
             if s not in _STAGES:
                 raise ValueError(f"KVCacheCallback stage {s!r} is not one of {list(_STAGES)}")

@@ -427,11 +427,18 @@ def test_an_explicit_cache_dtype_that_is_not_what_the_model_computes_is_refused_
     (dict(backend="flexkv", tiers={"remote_ttl_s": 0}), r"remote_ttl_s must be an int in \[1, .*got 0"),
     (dict(backend="flexkv", host_cache_gb=0.5, tiers={"cpu_cache_gb": 0.01}),
      r"host_cache_gb=0.5 disagrees with tiers.cpu_cache_gb=0.01"),
+    (dict(write_through="false"), r"write_through must be a bool, got 'false'"),  # (a truthy str: was on)
+    (dict(cuda_graphs=0), r"cuda_graphs must be a bool, got 0"),
+    (dict(stages="fitt"), r"stage 'fitt' is not one of"),  # (was: "stage 'f'")
 ])
 def test_bad_arguments_are_refused_when_the_callback_is_made(kwargs, error):
     """A bad argument fails where the user wrote it, not at the first batch of a later trainer call."""
     with pytest.raises(ValueError, match=error):
         KVCacheCallback(**kwargs)
+
+
+def test_one_stage_may_be_given_by_name():
+    assert KVCacheCallback(stages="predict").stages == ("predict",)
 
 
 def test_tiers_may_be_a_mapping_or_a_yaml_file_and_set_the_host_size(tmp_path):
