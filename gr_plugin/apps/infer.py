@@ -87,7 +87,7 @@ def _find_weights(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
     logger.warning("no checkpoint at %s: training this model first (%d steps); "
                    "later runs reuse it", cfg.default_ckpt, tcfg.trainer.max_steps)
     out = train_app.run(tcfg)
-    desc = f"trained now ({tcfg.trainer.max_steps} steps) -> {out['checkpoint']}"
+    desc = f"trained now ({out['steps']} steps) -> {out['checkpoint']}"  # (max_epochs may stop it before max_steps)
     return load_module(out["checkpoint"], cfg.model), desc
 
 

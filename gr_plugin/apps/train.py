@@ -35,4 +35,4 @@ def run(cfg: TrainConfig, *, enable_checkpointing: bool = False, logger_dir: str
     trainer.save_checkpoint(out, weights_only=True)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     logger.info("wrote %s; metrics %s", out, metrics)
-    return {"checkpoint": str(out), "metrics": metrics}
+    return {"checkpoint": str(out), "metrics": metrics, "steps": trainer.global_step}

@@ -369,3 +369,14 @@ def test_a_flexkv_runs_summary_holds_the_tiers_that_ran(tmp_path):
     assert saved["summary"]["kvcache_tiers"] == summary["kvcache_tiers"]
     assert (summary["kvcache_tiers"]["cpu_cache_gb"], summary["kvcache_tiers"]["ssd_cache_gb"]) == (0.01, 0.02)
     assert saved["config"]["kvcache"]["tiers"]["cpu_cache_gb"] == 1.0  # (the group's, as composed)
+
+
+def test_the_weights_line_says_how_many_steps_training_ran(tmp_path):
+    """Training a missing checkpoint stops at max_steps or max_epochs, whichever comes first: the summary
+    said "trained now (400 steps)" (max_steps) even when two epochs of 2 steps ended it."""
+    cfg = tiny_cfg(tmp_path, max_batches=1)
+    cfg.train_if_missing = True
+    cfg.train = {"trainer": {"max_epochs": 2, "enable_progress_bar": False}, "validate": False}
+    summary = infer.run(cfg, tmp_path / "out")
+    steps = int(re.search(r"trained now \((\d+) steps\)", summary["weights"]).group(1))
+    assert 0 < steps < 400 and steps % 2 == 0  # (two epochs of the same number of batches)
