@@ -79,8 +79,9 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
 
 
 def command_line_tier_keys() -> set[str]:
-    """The ``kvcache.tiers`` keys this Hydra run's command line sets (``kvcache.tiers={...}``: the keys the
-    mapping names; a deletion sets nothing; none outside a Hydra run)."""
+    """The ``kvcache.tiers`` keys this Hydra run's command line sets (``kvcache.tiers={...}`` or
+    ``kvcache={tiers:{...}}``: the keys the mapping names; a deletion sets nothing; none outside a Hydra
+    run)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -89,6 +90,11 @@ def command_line_tier_keys() -> set[str]:
     keys: set[str] = set()
     for override in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
         path = override.key_or_group.split(".")
+        if path == ["kvcache"] and not override.is_delete() and not override.is_sweep_override():
+            value = override.value()  # (kvcache={tiers:{...}}: the keys its tiers mapping names)
+            if isinstance(value, dict) and isinstance(value.get("tiers"), dict):
+                keys.update(str(k) for k in value["tiers"])
+            continue
         if path[:2] != ["kvcache", "tiers"] or override.is_delete():
             continue
         if len(path) > 2:

@@ -188,7 +188,8 @@ def test_kvcache_tiers_on_the_command_line_beat_the_tier_yaml(tmp_path):
     path.write_text("cpu_cache_gb: 2\nssd_cache_gb: 3\nfail_open: false\n")
     assert command_line_tier_keys() == set()  # (no Hydra run)
     for tiers in (["kvcache.tiers.cpu_cache_gb=0.5", "kvcache.tiers.remote_ttl_s=60"],
-                  ["kvcache.tiers={cpu_cache_gb:0.5,remote_ttl_s:60}"]):  # (a mapping: the keys it names)
+                  ["kvcache.tiers={cpu_cache_gb:0.5,remote_ttl_s:60}"],  # (a mapping: the keys it names)
+                  ["kvcache={tiers:{cpu_cache_gb:0.5,remote_ttl_s:60}}"]):
         with initialize_config_dir(config_dir=CONF, version_base=None):
             cfg = compose(config_name="infer", overrides=["+kvcache=flexkv", f"kvcache.tier_config={path}", *tiers],
                           return_hydra_config=True)
