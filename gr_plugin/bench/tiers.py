@@ -218,6 +218,12 @@ def launch(directory: Path, num_users: int = 8, hist: int = 1024, repeats: int =
 
 def run(parts=("ssd_read", "tier_hit", "launch"), directory: str | None = None, redis_url: str | None = None,
         ssd_total_mb: int = 512) -> list[dict[str, Any]]:
+    unknown = sorted(set(parts) - {"ssd_read", "tier_hit", "launch"})
+    if unknown:
+        raise ValueError(f"tiers.parts: unknown part(s) {unknown}; the parts are ssd_read, tier_hit, launch")
+    if directory is not None and not os.path.isdir(directory):
+        raise ValueError(f"tiers.directory={directory!r} is not a directory (the SSD files go in a temporary "
+                         "directory inside it)")
     tmp = tempfile.TemporaryDirectory(prefix="gr-tiers-", dir=directory)
     root = Path(tmp.name)
     rows: list[dict[str, Any]] = []
