@@ -14,7 +14,7 @@ _EXPORTS = {
     "KVCacheConfig": "config",
     "HostTier": "host_tier",
     "KVCacheManager": "manager",
-    "TierReadError": "manager",
+    "TierReadError": "backend",
     "UserInFlightError": "manager",
     "PagedBatchMetadata": "metadata",
     "build_metadata": "metadata",

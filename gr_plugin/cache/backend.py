@@ -26,6 +26,11 @@ from gr_plugin.cache.config import KVCacheConfig
 Key = tuple[str, int]
 
 
+class TierReadError(RuntimeError):
+    """A fail-closed backend (``fail_open`` False) could not read a lower tier: a read that failed
+    or timed out, or a lookup that could not ask the remote tier (unreachable, backing off, refused)."""
+
+
 class KVBackend(ABC):
     """Lower tiers below the device pages; see the module docstring for the protocol."""
 
@@ -130,7 +135,8 @@ class KVBackend(ABC):
 
     @property
     def fail_open(self) -> bool:
-        """A lower-tier read that fails or times out is a miss (True) or an error (False)."""
+        """A lower-tier read that fails or times out, or a lower tier that cannot be asked at lookup,
+        is a miss (True) or an error (False: `TierReadError`)."""
         return True
 
     @abstractmethod

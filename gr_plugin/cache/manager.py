@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from gr_plugin.cache import paged_ops
-from gr_plugin.cache.backend import KVBackend
+from gr_plugin.cache.backend import KVBackend, TierReadError
 from gr_plugin.cache.config import KVCacheConfig
 from gr_plugin.cache.hashing import as_int64, from_pairs, namespace_seed, page_digests, prefix_hash, to_pairs
 from gr_plugin.cache.metadata import metadata_from_host
@@ -55,10 +55,6 @@ def _config_dtypes() -> dict[str, torch.dtype]:
     from gr_plugin.cache.config import DTYPES
 
     return DTYPES
-
-
-class TierReadError(RuntimeError):
-    """A lower-tier read failed or timed out and the backend is fail-closed."""
 
 
 class UserInFlightError(RuntimeError):
@@ -263,7 +259,10 @@ class KVCacheManager:
                 host_pages[b] = t.get(self.backend.tier_names[0], 0)
 
     def lookup(self, request: CacheRequest) -> LookupResult:
-        """Reusable history tokens per user and tier. Changes no state (not even LRU order)."""
+        """Reusable history tokens per user and tier. Changes no state (not even LRU order).
+
+        Raises `TierReadError`, with nothing changed, when a fail-closed backend cannot ask a lower
+        tier (an unreachable remote tier)."""
         if not isinstance(request, CacheRequest):
             raise ValueError(f"lookup expects a CacheRequest, got {type(request).__name__}")
         with self._lock:
@@ -318,7 +317,9 @@ class KVCacheManager:
 
         Evicts least-recently-used users (never those in flight) to make room. Returns ``None``
         and changes nothing when the batch cannot fit even after evicting everything evictable.
-        Raises `UserInFlightError` (nothing changed) if a user is already in an in-flight step.
+        Raises `UserInFlightError` (nothing changed) if a user is already in an in-flight step, and
+        `TierReadError` (no pages reserved) when a fail-closed backend's read did not end ready or a
+        lower tier it must ask again cannot be asked.
         """
         if not isinstance(lookup, LookupResult):
             raise ValueError(f"allocate expects a LookupResult, got {type(lookup).__name__}")

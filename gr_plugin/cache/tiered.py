@@ -9,10 +9,13 @@ layer like any host hit. The byte formats and I/O belong to the stores (`tiers.s
 `tiers.remote`); the host slots and LRU to `HostTier`.
 
 Failure policy: a lower-tier read that fails, is corrupt, or outlives ``task_timeout_s`` is a miss
-(fail-open, the default: the tokens are recomputed) or an error (``fail_open=False``). A write that
-fails is counted and logged, never fatal. A task that is cancelled, fails or times out releases
-every slot it reserved (slots a worker may still be writing are released when it finishes); of a
-task that succeeds, only each user's longest successfully read prefix is published.
+(fail-open, the default: the tokens are recomputed) or an error (``fail_open=False``). So is a
+remote tier that a lookup has to ask and cannot (unreachable, backing off after an error, or
+refusing EXISTS): a miss, or with ``fail_open=False`` a `TierReadError` from ``match`` (the
+manager's ``lookup`` raises it, changing nothing). A write that fails is counted and logged, never
+fatal. A task that is cancelled, fails or times out releases every slot it reserved (slots a
+worker may still be writing are released when it finishes); of a task that succeeds, only each
+user's longest successfully read prefix is published.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from typing import Any
 
 import torch
 
-from gr_plugin.cache.backend import Key
+from gr_plugin.cache.backend import Key, TierReadError
 from gr_plugin.cache.config import KVCacheConfig
 from gr_plugin.cache.hashing import StreamHasher
 from gr_plugin.cache.host_tier import HostTier
 from gr_plugin.cache.tiers.flexkv_config import TierConfig
-from gr_plugin.cache.tiers.types import PageKey, PageStore, aligned_empty
+from gr_plugin.cache.tiers.types import PageKey, PageStore, PageStoreUnavailable, aligned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +161,8 @@ class TieredBackend(HostTier):
 
     def match(self, key: Key, tokens: torch.Tensor, start: int, length: int, seed: int,
               min_pages: int = 0) -> dict[str, int]:
+        """`KVBackend.match` over host, SSD and remote. Raises `TierReadError` (``fail_open`` False)
+        when the remote tier has to be asked and cannot answer (a strict `RedisPageStore.match`)."""
         host = super().match(key, tokens, start, length, seed, 0)["host"]
         out = {"host": host}
         full = length // self.config.page_size
@@ -169,7 +174,11 @@ class TieredBackend(HostTier):
         best = host
         for name, store in self._stores():
             if name == "remote":
-                got = store.match(key[0], key[1], hashes, start=best)
+                try:
+                    got = store.match(key[0], key[1], hashes, start=best, strict=not self.fail_open)
+                except PageStoreUnavailable as exc:
+                    raise TierReadError(f"the remote tier cannot be asked for user {key[1]} of namespace {key[0]!r} "
+                                        f"and fail_open=False: {exc}") from exc
             else:
                 got = store.match(key[0], key[1], hashes)
             best = max(best, got)

@@ -380,6 +380,58 @@ def test_redis_killed_mid_run_then_restarted(tmp_path, redis_server, redis_url):
     m.check()
 
 
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_redis_unreachable_at_lookup_is_a_miss_or_an_error_that_changes_nothing(tmp_path, redis_server, redis_url,
+                                                                                 fail_open):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path, ssd=False, redis_url=redis_url, fail_open=fail_open)
+    store = m.backend._remote
+    store.retry_after_s = 0.2  # (a short back-off: the step after the restart asks the server again soon)
+    run_step(m, [1], [history_tokens(1, 8)])  # 2 full pages -> host -> Redis
+    settle(m)
+    saved = {k: client.dump(k) for k in client.scan_iter("*")}
+    assert len(saved) == 2
+    _push_out_of_host(m, 1)  # user 1's pages are now in Redis only
+    settle(m)
+    req = CacheRequest([1], [9], history_tokens(1, 9))
+
+    store_keys = {f"remote_{k}" for k in store.stats()}  # (the store's own counters: errors are counted)
+
+    def state():
+        return ({k: v for k, v in m.stats().items() if k not in store_keys}, m.lru_order(),
+                m.backend.lru_order(), dict(m.backend._renewed))
+
+    before = state()
+    redis_server.kill()
+    if fail_open:
+        lk = m.lookup(req)
+        assert lk.tier_tokens["remote"] == [0] and lk.prefetch_task is None  # a miss
+    else:
+        with pytest.raises(TierReadError) as unreachable:
+            m.lookup(req)
+        msg = str(unreachable.value)
+        assert "remote tier" in msg and "user 1 " in msg and "fail_open=False" in msg
+        assert f"127.0.0.1:{redis_server.port}" in msg and "cannot be reached" in msg
+        with pytest.raises(TierReadError, match="backing off"):
+            run_step(m, [1], [history_tokens(1, 9)])
+        assert state() == before  # nothing changed: not the lookup counters, LRU orders or tiers
+        assert store.stats()["errors"] == 1 and store.stats()["skipped_while_down"] == 1
+        m.check()
+        run_step(m, [91], [history_tokens(91, 14)])  # all on the device: Redis is not asked, no error
+    redis_server.restart()
+    for k, v in saved.items():
+        client.restore(k, 0, v)  # user 1's pages are back
+    time.sleep(0.25)  # (the back-off)
+    lk, plan = run_step(m, [1], [history_tokens(1, 9)])  # K/V of every layer checked
+    assert lk.tier_tokens["remote"] == [8] and plan.onboard_tokens == [8] and plan.lower_tier_tokens == {"remote": 8}
+    settle(m)
+    m.check()
+    client.close()
+    m.close()
+
+
 class SlowStore:
     """The real SSD store, with reads held back until ``release`` is set."""
 

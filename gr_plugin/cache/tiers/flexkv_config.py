@@ -51,7 +51,9 @@ class TierConfig:
     ``True``/``False`` or ``"true"``/``"false"``): SSD I/O. ``write_policy``: ``"write_through"``
     (host → SSD on every commit) or ``"on_evict"`` (host → SSD when the host tier evicts).
     ``remote_write_through``: pages also go to the remote tier as they are written to SSD.
-    ``fail_open``: a failing lower tier turns into misses instead of errors. ``task_timeout_s``: the
+    ``fail_open``: a failing lower tier turns into misses instead of errors (`TieredBackend`); with
+    False, a remote tier that a lookup has to ask and cannot reach (down, backing off after an error,
+    or refusing) is an error (``TierReadError``), not a miss. ``task_timeout_s``: the
     longest a caller waits for a lower-tier transfer before treating it as a miss. ``remote_ttl_s``
     (None: never): a remote page expires this many seconds after it was last written, read or
     renewed, so the pages of namespaces no longer read (older weights) leave a shared server. A

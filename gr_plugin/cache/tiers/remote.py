@@ -13,9 +13,11 @@ and a user's keys are exactly those matching ``{prefix}:{ns}:{user_id}:*``.
 Fail-open: a connection error, a timeout or a dead server makes every call answer False / 0; the
 error is counted and logged once per burst, and for ``retry_after_s`` the store does not call the
 server at all (a blackholed host would otherwise cost a timeout per call). The client reconnects by
-itself once the server is back. The store does not enforce the contiguous-prefix rule (the server
-evicts keys on its own, e.g. ``maxmemory-policy allkeys-lru``); `match` counts leading pages only.
-``redis`` is imported here only, when a store is built.
+itself once the server is back. Only ``match(..., strict=True)`` (a fail-closed tiered backend's
+lookup) raises instead: `PageStoreUnavailable`, naming the URL and the cause. The store does not
+enforce the contiguous-prefix rule (the server evicts keys on its own, e.g.
+``maxmemory-policy allkeys-lru``); `match` counts leading pages only. ``redis`` is imported here
+only, when a store is built.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from gr_plugin.cache.tiers.page_format import (
     encode_header,
     verify,
 )
-from gr_plugin.cache.tiers.types import PageKey, PageStore, page_rows
+from gr_plugin.cache.tiers.types import PageKey, PageStore, PageStoreUnavailable, page_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class RedisPageStore(PageStore):
     `renew`;
     ``retry_after_s``: after an error, calls answer False / 0 at once for this long;
     ``page_bytes`` (optional) checks every tensor row. Raises `ValueError` for bad arguments;
-    an unreachable server is not an error here (the store fails open).
+    an unreachable server is not an error here (the store fails open), except to a strict `match`.
     """
 
     tier_name = "remote"
@@ -120,6 +122,7 @@ class RedisPageStore(PageStore):
         self.retry_after_s = float(retry_after_s)
         self.page_bytes = page_bytes
         self._down_until = 0.0
+        self._last_error = "an error"  # (the last failure: what a strict match backing off names)
         self._lock = threading.Lock()
         self._errors = BurstLog(logger, f"Redis page store {self._safe_url()}")
         self._counters: dict[str, float] = dict.fromkeys(
@@ -153,11 +156,15 @@ class RedisPageStore(PageStore):
             return False
         return True
 
-    def _failed(self, what: str, exc: BaseException, back_off: bool = True) -> None:
+    def _failed(self, what: str, exc: BaseException, back_off: bool = True) -> str:
+        """Count and log a failure (backing off: the server is not asked for ``retry_after_s``);
+        returns its description."""
         self._count(errors=1)
         if back_off:
             self._down_until = time.monotonic() + self.retry_after_s
-        self._errors.failure(f"{what}: {type(exc).__name__}: {exc}")
+        self._last_error = why = redact(f"{what}: {type(exc).__name__}: {exc}")
+        self._errors.failure(why)
+        return why
 
     def _pipelined(self, commands: Iterable[tuple[str, tuple, dict]]) -> Iterator[list[Any]]:
         """Run commands in pipelines of ``max_batch``; yields each batch's replies (errors as
@@ -324,12 +331,22 @@ class RedisPageStore(PageStore):
             why = f"header of {len(header)} bytes does not end where the page starts"
         return why
 
-    def match(self, namespace: str, user_id: int, page_hashes: list[int], start: int = 0) -> int:
+    def match(self, namespace: str, user_id: int, page_hashes: list[int], start: int = 0, *,
+              strict: bool = False) -> int:
         """Leading pages of ``page_hashes`` whose keys exist (pipelined EXISTS, stops at the first
         batch with a missing page); 0 when the server cannot be reached. ``start``: pages before it
-        are known to be held elsewhere (an upper tier) and are not asked for; they count."""
-        if len(page_hashes) <= start or not self._available():
+        are known to be held elsewhere (an upper tier) and are not asked for; they count.
+        ``strict``: where the answer would come from a failure (backing off, the server unreachable,
+        EXISTS refused) raise `PageStoreUnavailable` naming the URL and the cause instead (the error
+        is counted and backed off from all the same)."""
+        if len(page_hashes) <= start:
             return min(start, len(page_hashes)) if start else 0
+        if not self._available():
+            if strict:
+                raise PageStoreUnavailable(
+                    f"Redis page store {self._safe_url()} is not asked: backing off for "
+                    f"{max(self._down_until - time.monotonic(), 0.0):.3f} s after {self._last_error}")
+            return start
         t0 = time.perf_counter()
         prefix = self._user_prefix(namespace, user_id)
         commands = [("exists", (f"{prefix}{i}:{page_hashes[i]:032x}",), {}) for i in range(start, len(page_hashes))]
@@ -338,7 +355,9 @@ class RedisPageStore(PageStore):
             for replies in self._pipelined(commands):
                 for reply in replies:
                     if isinstance(reply, BaseException):
-                        self._failed("EXISTS", reply, back_off=False)
+                        why = self._failed("EXISTS", reply, back_off=False)
+                        if strict:
+                            raise PageStoreUnavailable(f"Redis page store {self._safe_url()} refused {why}") from reply
                         return held
                     if not reply:
                         self._errors.success()
@@ -346,7 +365,9 @@ class RedisPageStore(PageStore):
                     held += 1
             self._errors.success()
         except self._errors_types as exc:
-            self._failed("EXISTS", exc)
+            why = self._failed("EXISTS", exc)
+            if strict:
+                raise PageStoreUnavailable(f"Redis page store {self._safe_url()} cannot be reached: {why}") from exc
             return 0
         finally:
             self._count(match_latency_s=time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """Leaf types of the page stores below the pinned host tier.
 
 Owns `PageKey` (the identity of one stored page), the `PageStore` contract that the SSD and remote
-stores keep, and `page_rows`, the boundary check that turns a batch tensor into per-page addresses.
-It does not store anything and does not know the byte format (`page_format`).
+stores keep (and `PageStoreUnavailable`, what a store asked strictly raises), and `page_rows`, the
+boundary check that turns a batch tensor into per-page addresses. It does not store anything and
+does not know the byte format (`page_format`).
 
 A *page* here is the bytes of one page across all layers: one row of a contiguous CPU tensor
 ``[n, num_layers, 2, page_size, num_heads, head_dim]``. The host tier's ``host_table[:, slot]`` is
@@ -84,12 +85,19 @@ def page_rows(keys: list[PageKey], pages: torch.Tensor, page_bytes: int | None, 
     return [base + i * row for i in range(n)], row
 
 
+class PageStoreUnavailable(RuntimeError):
+    """A store asked strictly (``RedisPageStore.match(..., strict=True)``) could not answer: its
+    server is unreachable, being backed off from, or refused the command. The message names the
+    (redacted) URL and the cause."""
+
+
 class PageStore(ABC):
     """A store of whole pages, keyed by `PageKey`, safe to call from several threads at once.
 
     Every user's pages form a contiguous prefix of their history where the store can enforce it.
-    Calls never raise for I/O or network errors: they answer False / 0 and count the error.
-    Bad arguments raise `ValueError`.
+    Calls never raise for I/O or network errors: they answer False / 0 and count the error (a
+    store's ``match`` asked with ``strict=True``, where it takes one, raises `PageStoreUnavailable`
+    instead). Bad arguments raise `ValueError`.
     """
 
     #: a short name for logs and stats (``"ssd"``, ``"remote"``)

@@ -11,7 +11,8 @@ import pytest
 import redis
 import torch
 
-from gr_plugin.cache.tiers import PageKey, RedisPageStore
+from gr_plugin.cache.tiers import PageKey, PageStoreUnavailable, RedisPageStore
+from gr_plugin.cache.tiers.flexkv_config import redact
 
 from .helpers import PAGE_SHAPE, random_pages, same_bytes, user_keys
 
@@ -125,6 +126,55 @@ def test_after_an_error_the_store_backs_off(redis_server, redis_url):
     assert s.match("ns", 1, hashes(keys)) == 0  # not even tried: backing off
     assert s.stats()["skipped_while_down"] == 1 and s.stats()["errors"] == 1
     s.close()
+
+
+def test_a_strict_match_on_a_killed_server_raises_naming_the_url_where_a_plain_one_misses(redis_server, redis_url):
+    keys = user_keys(1, 4)
+    plain = RedisPageStore(redis_url, retry_after_s=60)
+    assert plain.put_many(keys, random_pages(4)) == [True] * 4
+    assert plain.match("ns", 1, hashes(keys), strict=True) == 4  # a healthy server: the same answers
+    assert plain.match("ns", 1, hashes(keys), 2, strict=True) == 4
+    url = redis_url.replace("redis://", "redis://gr:hunter2@")  # (never connected while the server runs)
+    s = RedisPageStore(url, retry_after_s=60)
+    redis_server.kill()
+    assert plain.match("ns", 1, hashes(keys)) == 0  # fail-open: a miss
+    assert plain.stats()["errors"] == 1
+    with pytest.raises(PageStoreUnavailable, match="backing off") as backing_off:
+        plain.match("ns", 1, hashes(keys), strict=True)
+    assert plain._safe_url() in str(backing_off.value) and "EXISTS: ConnectionError" in str(backing_off.value)
+    st = plain.stats()
+    assert (st["errors"], st["skipped_while_down"]) == (1, 1)  # counted as today: not even tried
+    with pytest.raises(PageStoreUnavailable, match="cannot be reached") as unreachable:
+        s.match("ns", 1, hashes(keys), strict=True)
+    msg = str(unreachable.value)
+    assert redact(url) in msg and f"127.0.0.1:{redis_server.port}" in msg and "hunter2" not in msg
+    assert isinstance(unreachable.value.__cause__, redis.exceptions.ConnectionError)
+    assert s.stats()["errors"] == 1
+    assert s.match("ns", 1, hashes(keys), 1) == 1 and s.stats()["skipped_while_down"] == 1  # backing off as today
+    redis_server.restart()
+    for store in (plain, s):
+        store.close()
+
+
+def test_a_strict_match_refused_by_the_server_raises_without_backing_off(redis_url, client):
+    owner = RedisPageStore(redis_url)
+    keys = user_keys(1, 3)
+    owner.put_many(keys, random_pages(3))
+    client.acl_setuser("no-exists", enabled=True, passwords=["+s3cret-pw"], keys=["*"],
+                       commands=["+@all", "-exists"])
+    try:
+        url = redis_url.replace("redis://", "redis://no-exists:s3cret-pw@")
+        s = RedisPageStore(url, retry_after_s=60)
+        assert s.match("ns", 1, hashes(keys)) == 0  # fail-open: NOPERM is a miss
+        with pytest.raises(PageStoreUnavailable, match="refused EXISTS") as refused:
+            s.match("ns", 1, hashes(keys), strict=True)
+        assert redact(url) in str(refused.value) and "s3cret-pw" not in str(refused.value)
+        st = s.stats()
+        assert (st["errors"], st["skipped_while_down"], st["round_trips"]) == (2, 0, 2)  # no back-off
+        s.close()
+    finally:
+        client.acl_deluser("no-exists")
+    owner.close()
 
 
 def test_two_replicas_share_pages(redis_url):
