@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,24 @@ _GIB = 1 << 30
 # NOTE: Redis takes a key's expiry as a 64-bit count of ms from now; a TTL past it makes every SET fail.
 MAX_TTL_S = 2**31 - 1  # (68 years)
 _CREDENTIALS = re.compile(r"(?<=://)[^@/\s]*@")
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a redis:// / rediss:// URL's port or database that the client would not say
+    until it connects, or ignores (``/abc`` as the database: the client silently uses 0); None: nothing."""
+    if url.startswith("unix://"):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - (the property raises for a port out of range or not a number)
+    except ValueError:
+        return f"the port must be a number in [0, 65535], got {parts.netloc.rpartition(':')[2]!r}"
+    db = parts.path.strip("/")
+    query = urllib.parse.parse_qs(parts.query).get("db", [])
+    for value in ([db] if db else []) + query:
+        if not value.isdigit():
+            return f"the database must be a number, got {value!r}"
+    return None
 
 
 def redact(value: Any) -> Any:
@@ -95,6 +114,9 @@ class TierConfig:
                                                                                      "unix://")):
             raise ValueError(f"TierConfig.remote_url must be a redis://, rediss:// or unix:// URL, "
                              f"got {redact(self.remote_url)!r}")
+        why = _url_problem(self.remote_url)
+        if why is not None:
+            raise ValueError(f"TierConfig.remote_url {redact(self.remote_url)!r}: {why}")
         n = self.ssd_num_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ValueError(f"TierConfig.ssd_num_threads must be an int in [1, 256], got {n!r}")

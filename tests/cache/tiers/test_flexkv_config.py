@@ -116,6 +116,19 @@ def test_bad_values_are_rejected(field, value):
         TierConfig(**{field: value})
 
 
+@pytest.mark.parametrize("url, error", [
+    ("redis://h:99999/0", r"port must be a number in \[0, 65535\], got '99999'"),
+    ("redis://h:x/0", r"port must be .* got 'x'"),
+    ("redis://h:6379/abc", r"database must be a number, got 'abc'"),  # (the client used database 0)
+    ("redis://user:s3cret@h:6379/0?db=two", r"'redis://\*\*\*@h:6379/0\?db=two': the database must be"),
+])
+def test_a_remote_url_with_a_bad_port_or_database_is_refused_before_connecting(url, error):
+    with pytest.raises(ValueError, match=error):
+        TierConfig(remote_url=url)
+    for good in ("redis://h:6379/2", "redis://h", "rediss://:pw@h:1/", "redis://[::1]:6379/0", "unix:///tmp/r.sock"):
+        assert TierConfig(remote_url=good).remote_url == good
+
+
 def test_ssd_size_needs_a_directory():
     with pytest.raises(ValueError, match="ssd_cache_dir"):
         TierConfig(ssd_cache_gb=1.0)
