@@ -8,8 +8,10 @@ remote always lands in pinned host slots first; the manager onboards it to the d
 layer like any host hit. The byte formats and I/O belong to the stores (`tiers.ssd`,
 `tiers.remote`); the host slots and LRU to `HostTier`.
 
-Failure policy: a lower-tier read that fails, is corrupt, or outlives ``task_timeout_s`` is a miss
-(fail-open, the default: the tokens are recomputed) or an error (``fail_open=False``). So is a
+Failure policy: a page that is missing or corrupt is a miss (recomputed). A lower-tier read task
+that fails (a worker error; a remote tier that stops answering) or outlives ``task_timeout_s`` is a
+miss (fail-open, the default: the tokens are recomputed) or an error (``fail_open=False``: allocate
+raises `TierReadError`). So is a
 remote tier that a lookup has to ask and cannot (unreachable, backing off after an error, or
 refusing EXISTS): a miss, or with ``fail_open=False`` a `TierReadError` from ``match`` (the
 manager's ``lookup`` raises it, changing nothing). A write that fails is counted and logged, never
@@ -308,7 +310,10 @@ class TieredBackend(HostTier):
             keys = [PageKey(items[i].key[0], items[i].key[1], items[i].first_page + j, items[i].hashes[j])
                     for i, j in where]
             staging = aligned_empty((len(keys), *row), cfg.torch_dtype)  # O_DIRECT reads land in place
-            got = store.get_many(keys, staging)
+            # NOTE: fail-closed, a remote tier that stops answering fails the task (allocate raises
+            # TierReadError); a missing or corrupt page is a miss either way.
+            strict = {"strict": True} if name == "remote" and not self.fail_open else {}
+            got = store.get_many(keys, staging, **strict)
             good = [n for n, g in enumerate(got) if g]
             if good:
                 idx = torch.tensor(good, dtype=torch.int64)

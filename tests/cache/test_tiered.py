@@ -432,6 +432,47 @@ def test_redis_unreachable_at_lookup_is_a_miss_or_an_error_that_changes_nothing(
     m.close()
 
 
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_redis_lost_between_lookup_and_read_is_a_miss_or_an_error(tmp_path, redis_server, redis_url, fail_open):
+    """The lookup finds a user's pages in Redis; the server dies before the read task runs. Fail-open the
+    step recomputes them; fail-closed (``fail_open=False``) allocate raises TierReadError (the read was
+    a silent miss too), the task's host slots are released and a later step reads the pages."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path, ssd=False, redis_url=redis_url, fail_open=fail_open)
+    m.backend._remote.retry_after_s = 0.0
+    run_step(m, [1], [history_tokens(1, 8)])
+    settle(m)
+    saved = {k: client.dump(k) for k in client.scan_iter("*")}
+    _push_out_of_host(m, 1)  # user 1's 2 pages are in Redis only
+    settle(m)
+    release = _hold_writers(m)  # (the read task queues behind the held workers)
+    lk = m.lookup(CacheRequest([1], [9], history_tokens(1, 9)))
+    assert lk.tier_tokens["remote"] == [8] and lk.prefetch_task is not None
+    redis_server.kill()
+    release.set()
+    if fail_open:
+        plan = m.allocate(lk)
+        assert plan.cached_lengths == [0]  # (recomputed)
+        m.abort(plan)
+    else:
+        with pytest.raises(TierReadError, match="ended 'failed'"):
+            m.allocate(lk)
+        assert m.stats()["tasks_failed"] == 1
+    m.check()
+    assert (m.namespace, 1) not in m.backend.lru_order()  # (nothing of user 1 was published)
+    redis_server.restart()
+    for k, v in saved.items():
+        client.restore(k, 0, v)
+    lk, plan = run_step(m, [1], [history_tokens(1, 9)])  # K/V of every layer checked
+    assert lk.tier_tokens["remote"] == [8] and plan.lower_tier_tokens == {"remote": 8}
+    settle(m)
+    m.check()
+    client.close()
+    m.close()
+
+
 class SlowStore:
     """The real SSD store, with reads held back until ``release`` is set."""
 

@@ -72,7 +72,8 @@ class TierConfig:
     ``remote_write_through``: pages also go to the remote tier as they are written to SSD.
     ``fail_open``: a failing lower tier turns into misses instead of errors (`TieredBackend`); with
     False, a remote tier that a lookup has to ask and cannot reach (down, backing off after an error,
-    or refusing) is an error (``TierReadError``), not a miss. ``task_timeout_s``: the
+    or refusing), or that stops answering a read task, is an error (``TierReadError``, from the lookup
+    or the allocate), not a miss; a missing or corrupt page is a miss either way. ``task_timeout_s``: the
     longest a caller waits for a lower-tier transfer before treating it as a miss. ``remote_ttl_s``
     (None: never): a remote page expires this many seconds after it was last written, read or
     renewed, so the pages of namespaces no longer read (older weights) leave a shared server. A

@@ -238,15 +238,22 @@ class RedisPageStore(PageStore):
         return results
 
     # ----------------------------------------------------------------- reading
-    def get_many(self, keys: list[PageKey], out: torch.Tensor) -> list[bool]:
+    def get_many(self, keys: list[PageKey], out: torch.Tensor, *, strict: bool = False) -> list[bool]:
         """Read ``keys[i]`` into ``out[i]``; True only for a value whose header names ``keys[i]`` and
-        whose checksum verifies. Rows answered False hold unspecified bytes."""
+        whose checksum verifies. Rows answered False hold unspecified bytes. ``strict``: where the
+        server cannot be asked (backing off) or stops answering, raise `PageStoreUnavailable` instead
+        of answering False (counted and backed off from all the same); a missing, corrupt or foreign
+        value is a False either way."""
         addrs, row = page_rows(keys, out, self.page_bytes, "out")
         if not keys:
             return []
         results = [False] * len(keys)
         if not self._available():
             self._count(misses=len(keys))
+            if strict:
+                raise PageStoreUnavailable(
+                    f"Redis page store {self._safe_url()} is not asked: backing off for "
+                    f"{max(self._down_until - time.monotonic(), 0.0):.3f} s after {self._last_error}")
             return results
         start = time.perf_counter()
         code = dtype_code(out.dtype)
@@ -275,7 +282,12 @@ class RedisPageStore(PageStore):
                     ctypes.memmove(addr, _address(value) + len(value) - row, row)
                     results[pos - 1] = True
         except self._errors_types as exc:
-            self._failed("GET", exc)
+            why = self._failed("GET", exc)
+            if strict:
+                hits = sum(results)
+                self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
+                            get_latency_s=time.perf_counter() - start)
+                raise PageStoreUnavailable(f"Redis page store {self._safe_url()} cannot be reached: {why}") from exc
         else:
             if refused is not None:
                 self._failed("GET", refused, back_off=False)
