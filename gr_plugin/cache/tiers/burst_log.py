@@ -38,7 +38,8 @@ class BurstLog:
                 self._last_log = now
             count = self._failures
         if first:
-            self._logger.warning("%s failing (fail-open, pages are misses): %s", self._what, message)
+            self._logger.warning("%s failing (its pages are misses, or errors where fail_open=False): %s",
+                                 self._what, message)
         elif due:
             self._logger.warning("%s still failing after %d errors: %s", self._what, count, message)
 
