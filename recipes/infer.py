@@ -7,11 +7,25 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
+from gr_plugin.cache.tiers.flexkv_config import redact
 from gr_plugin.configs.checked import to_object
+
+
+def override_columns(overrides: list[str]) -> dict[str, str]:
+    """Each override of the run as a column of results.csv (``data.batch_size`` -> ``4``), so a sweep's rows
+    say what was swept; values as Hydra parsed them (no quotes), URLs without their password. The
+    summary's own columns win a clash (e.g. ``kvcache``: the engine that ran)."""
+    out = {}
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if not o.is_delete():
+            value = o.value()
+            out[o.key_or_group] = redact(value if isinstance(value, str) else o.get_value_element_as_str())
+    return out
 
 
 @hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
@@ -21,10 +35,7 @@ def main(cfg) -> None:
     if obj.results_csv is None:
         base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir
         obj.results_csv = str(Path(base) / "results.csv")
-    # (each override a column of results.csv, so a sweep's rows say what was swept; the summary's own
-    # columns win a clash, e.g. kvcache: the engine that ran)
-    columns = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in hc.overrides.task if "=" in o}
-    summary = infer.run(obj, Path(hc.runtime.output_dir), columns)
+    summary = infer.run(obj, Path(hc.runtime.output_dir), override_columns(hc.overrides.task))
     print(infer.format_table(summary))
     print(f"outputs: {hc.runtime.output_dir}")
     if summary.get("equivalence") == "FAIL":

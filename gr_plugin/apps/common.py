@@ -70,7 +70,7 @@ def resolve_backend(opts: KVCacheOptions) -> str | None:
         warnings.warn(f"kvcache.host_cache_gb={opts.host_cache_gb!r} is not read by the flexkv backend: its host "
                       f"tier is kvcache.tiers.cpu_cache_gb (FlexKV's name; {opts.tiers.cpu_cache_gb!r} GB here)",
                       UserWarning, stacklevel=2)
-    if opts.backend == "gpu" and opts.host_cache_gb != 0:
+    if opts.backend == "gpu" and opts.host_cache_gb not in (0, _HOST_GB_DEFAULT):  # (the schema's default: unset)
         warnings.warn(f"kvcache.host_cache_gb={opts.host_cache_gb!r} is not read by the gpu backend (device pages "
                       "only): +kvcache=native adds a host tier", UserWarning, stacklevel=2)
     if opts.backend == "none":
@@ -121,7 +121,9 @@ def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: s
         raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
     try:
         KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
-                      page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or dtype,
+                      page_size=opts.page_size, num_pages=opts.num_pages,
+                      # (a bad model dtype: model_dtype's error, named dtype)
+                      dtype=opts.dtype or (dtype if dtype in DTYPES else "float32"),
                       namespace=opts.namespace)
         tiers = _merged_tiers(opts)[0] if opts.backend == "flexkv" else None
     except ValueError as exc:  # (the library's names for the options: KVCacheConfig.x, TierConfig.x)

@@ -22,6 +22,7 @@ import torch
 
 from gr_plugin.apps.common import make_cache, make_datamodule, pick_device
 from gr_plugin.apps.infer import _load_or_train, check_options
+from gr_plugin.cache.tiers.flexkv_config import TierConfig
 from gr_plugin.configs.kvcache import KVCacheOptions
 from gr_plugin.configs.schema import ExportConfig
 from gr_plugin.export.runner import PackagedCachedRanker, export_package
@@ -38,7 +39,7 @@ def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[st
     module, weights = _load_or_train(cfg)
     model = module.model.to(device).eval()
     dtype = next(model.parameters()).dtype
-    opts = cfg.kvcache or KVCacheOptions(backend="gpu")
+    opts = cfg.kvcache or KVCacheOptions(backend="gpu", host_cache_gb=0.0)
     dm.setup("predict")
     batches = list(dm.predict_dataloader())
     if cfg.max_batches is not None:
@@ -85,7 +86,9 @@ def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[st
         if device.type == "cpu":
             # NOTE: a fresh device-only cache: the C++ runner keeps device pages only, so this run's
             # cached lengths are what the runner's must be.
-            with closing(make_cache(dataclasses.replace(opts, backend="gpu"), cfg.model, device, dtype)) as cache:
+            device_only = dataclasses.replace(opts, backend="gpu", host_cache_gb=0.0, tiers=TierConfig(),
+                                              tier_config=None)
+            with closing(make_cache(device_only, cfg.model, device, dtype)) as cache:
                 stream = str(record_stream(model, cache, (StreamBatch(b.user_ids.tolist(), *batch_to_kjts(b))
                                                           for b in batches), out_dir / "stream"))
         else:

@@ -257,6 +257,9 @@ def _write(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], c
     _plot(out_dir / "latency.png", rows, summary)
 
 
+_UNLABELLED = "unlabelled_values"
+
+
 def append_row(path: Path, row: dict[str, Any]) -> None:
     """Append ``row`` to the CSV at ``path`` (a sweep's ``results.csv``, one row per job). A row with
     columns the file lacks (a job without a cache has no hit rates, one with has no fewer) rewrites the
@@ -269,15 +272,26 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
     missing = [k for k in row if k not in header]
     if header and missing:
         with open(path, newline="") as f:
-            old = list(csv.DictReader(f))
+            old = list(csv.DictReader(f, restkey=_UNLABELLED))
+        if any(_UNLABELLED in r for r in old):  # (a file an earlier version wrote: rows longer than the header)
+            logger.warning("%s has rows with more values than its header; their extra values are kept in the "
+                           "column %r", path, _UNLABELLED)
+            for r in old:
+                if _UNLABELLED in r:
+                    r[_UNLABELLED] = ";".join(r[_UNLABELLED])
+            if _UNLABELLED not in header + missing:
+                missing.append(_UNLABELLED)
         fields = header + missing
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(old)
-            w.writerow(row)
-        tmp.replace(path)
+        try:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields)
+                w.writeheader()
+                w.writerows(old)
+                w.writerow(row)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=header or list(row))

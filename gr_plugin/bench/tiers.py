@@ -218,6 +218,8 @@ def launch(directory: Path, num_users: int = 8, hist: int = 1024, repeats: int =
 
 def run(parts=("ssd_read", "tier_hit", "launch"), directory: str | None = None, redis_url: str | None = None,
         ssd_total_mb: int = 512) -> list[dict[str, Any]]:
+    if isinstance(parts, str):  # (tiers.parts=launch: one part, not its letters)
+        parts = (parts,)
     unknown = sorted(set(parts) - {"ssd_read", "tier_hit", "launch"})
     if unknown:
         raise ValueError(f"tiers.parts: unknown part(s) {unknown}; the parts are ssd_read, tier_hit, launch")

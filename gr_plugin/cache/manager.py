@@ -174,9 +174,11 @@ class KVCacheManager:
     def rebind(self, kv_table: torch.Tensor) -> None:
         """Adopt a moved or cast copy of the device table (``nn.Module.to()`` made it).
 
-        A new device keeps the cached contents; a new dtype clears every tier (values cast to
-        another precision are not what the model would compute in it). Refused while a step is in
-        flight.
+        A new device keeps the cached contents; a new dtype clears the device tier and this
+        process's lower tiers (values cast to another precision are not what the model would compute
+        in it). A shared remote tier keeps its pages for the other processes; here those of the old
+        dtype are misses (each page's header names its dtype) until rewritten. Refused while a step is
+        in flight.
         """
         with self._lock:
             if self._plans:
@@ -199,7 +201,7 @@ class KVCacheManager:
                 self._count_evicted(self._core.evict_all())
             if self.backend is not None and (recast or moved):
                 if recast:
-                    self.backend.clear()
+                    self.backend.clear()  # (no namespace: a shared remote tier keeps its pages)
                 self.backend.rebind(new_cfg)
             if moved:
                 self.transfer.close()

@@ -104,6 +104,7 @@ class TieredBackend(HostTier):
             raise ValueError(f"write_policy must be 'write_through' or 'on_evict', got {tiers.write_policy!r}")
         self.tiers = tiers
         self._ssd, self._remote = ssd, remote
+        self._built: set[str] = set()  # the stores this backend made (and remakes for a new page size)
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="gr-kv-tier")
         self._tasks: dict[int, FetchTask] = {}
         self._fetching: dict[Key, int] = {}
@@ -139,6 +140,16 @@ class TieredBackend(HostTier):
         super().bind(config)
         if config.torch_device.type == "meta":
             return
+        # NOTE: a new dtype (`KVCacheManager.rebind`, after `clear`) changes the page size: the stores
+        # this backend built are rebuilt for it (an SSD store was emptied by the clear; the remote
+        # tier's pages of the old dtype stay, for other processes, and are misses here: their header
+        # names their dtype and size). A store passed in is the caller's to match.
+        for name in sorted(self._built):
+            store = getattr(self, f"_{name}")
+            if store is not None and store.page_bytes != config.page_bytes:
+                store.close()
+                setattr(self, f"_{name}", None)
+                self._built.discard(name)
         if self._ssd is None and self.tiers.ssd_cache_gb > 0:
             from gr_plugin.cache.tiers.ssd import SSDPageStore
 
@@ -146,11 +157,13 @@ class TieredBackend(HostTier):
                 raise ValueError("ssd_cache_gb > 0 needs ssd_cache_dir")
             self._ssd = SSDPageStore(self.tiers.ssd_cache_dirs[0], self.tiers.ssd_cache_bytes, config.page_bytes,
                                      num_threads=self.tiers.ssd_num_threads, o_direct=self.tiers.ssd_o_direct)
+            self._built.add("ssd")
         if self._remote is None and self.tiers.enable_3rd_remote:
             from gr_plugin.cache.tiers.remote import RedisPageStore
 
             self._remote = RedisPageStore(self.tiers.remote_url, page_bytes=config.page_bytes,
                                           ttl_s=self.tiers.remote_ttl_s)
+            self._built.add("remote")
 
     def _stores(self) -> list[tuple[str, PageStore]]:
         return [(n, s) for n, s in (("ssd", self._ssd), ("remote", self._remote)) if s is not None]
@@ -209,8 +222,9 @@ class TieredBackend(HostTier):
         (a longer history of the user, e.g. a later visit replayed); one pipelined batch per lookup,
         off the caller's thread. Pages the lookup will read from Redis are renewed by that read. So a
         page outlives the last lookup on any replica that found it by at least 3/4 of the TTL while
-        the server is reachable; a user whose renewal failed (unreachable, refused) is tried again,
-        every page, by a lookup after the store's ``retry_after_s`` (at least 1 s, at most the interval)."""
+        the server is reachable; a user whose renewal failed because the server could not be reached
+        is tried again, every page, by a lookup after the store's ``retry_after_s`` (at least 1 s, at
+        most the interval); one the server refused (READONLY, NOPERM), after the interval."""
         interval = self.renew_interval_s
         if interval is None or self._closed:
             return
@@ -252,11 +266,14 @@ class TieredBackend(HostTier):
                 logger.warning("renewing the remote pages of %d users failed", len(due), exc_info=True)
                 done = [None] * len(page_keys)
             failed_at = _now()
+            # NOTE: unreachable (the store backs off): due again after `retry`, all its pages; refused (the
+            # server answers, e.g. READONLY or NOPERM: asking again soon gets the same answer): after the
+            # interval, as if renewed.
+            again = retry if getattr(remote, "backing_off", True) else interval
             with self._renew_lock:
                 for (key, *_, mark), (lo, hi) in zip(due, spans, strict=True):
                     if None in done[lo:hi] and self._renewed.get(key) == mark:
-                        # NOTE: not renewed: due again after `retry` (all its pages), not after the interval.
-                        self._renewed[key] = (failed_at - interval + retry, mark[1])
+                        self._renewed[key] = (failed_at - interval + again, mark[1])
             with self._write_lock:
                 self._tier_counters["remote_renewals"] += len(due)
 
@@ -483,7 +500,8 @@ class TieredBackend(HostTier):
         with self._write_lock:
             renewals = list(self._renewals)
         for f in renewals:
-            f.result()
+            if not f.cancelled():  # (close drops renewals not started)
+                f.result()
         self.poll()
 
     def _wait_writes(self, key: Key) -> None:

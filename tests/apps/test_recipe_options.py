@@ -381,3 +381,46 @@ def test_the_weights_line_says_how_many_steps_training_ran(tmp_path):
     summary = infer.run(cfg, tmp_path / "out")
     steps = int(re.search(r"trained now \((\d+) steps\)", summary["weights"]).group(1))
     assert 0 < steps < 400 and steps % 2 == 0  # (two epochs of the same number of batches)
+
+
+def test_a_results_csv_an_earlier_version_wrote_malformed_is_repaired_not_crashed_on(tmp_path):
+    """Rows longer than their header (what the old none/native sweep wrote) made the rewrite raise at the
+    end of the run and leave results.csv.tmp behind; their extra values are kept in a column of their own."""
+    import csv
+
+    path = tmp_path / "results.csv"
+    path.write_text("kvcache,full_ms_p50\nnone,2.0\nnative,3.0,0.5,PASS\n")
+    infer.append_row(path, {"kvcache": "flexkv", "full_ms_p50": 4.0, "hit_rate": 0.7})
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert [r["kvcache"] for r in rows] == ["none", "native", "flexkv"] and not (tmp_path / "results.csv.tmp").exists()
+    assert rows[1]["unlabelled_values"] == "0.5;PASS" and rows[2]["hit_rate"] == "0.7" and rows[0]["hit_rate"] == ""
+
+
+def test_override_columns_are_parsed_values_without_passwords():
+    """results.csv's override columns: Hydra's parsed values (no quotes), a URL's password masked (the raw
+    override text put ``redis://:hunter2@...`` in the file while summary.json was clean)."""
+    from recipes.infer import override_columns
+
+    cols = override_columns(["+kvcache=flexkv", "data.batch_size=4", "kvcache.tiers.remote_url='redis://:hunter2@h:1/0'",
+                             "kvcache.tiers={remote_url:'redis://u:hunter2@h:1/0'}", "~kvcache.tier_config"])
+    assert cols == {"kvcache": "flexkv", "data.batch_size": "4", "kvcache.tiers.remote_url": "redis://***@h:1/0",
+                    "kvcache.tiers": "{remote_url:'redis://***@h:1/0'}"}
+
+
+def test_a_bad_model_dtype_is_named_as_dtype_not_kvcache_dtype(tmp_path):
+    with pytest.raises(ValueError, match=r"^dtype must be one of"):
+        infer.run(tiny_cfg(tmp_path, KVCacheOptions(backend="native"), dtype="fp16"), tmp_path / "out")
+
+
+def test_the_options_a_recipe_builds_itself_warn_about_nothing():
+    """recipes.export's own device-only options (no kvcache given; the stream recording) warned that the
+    gpu backend does not read host_cache_gb, a value the user never set."""
+    import warnings
+
+    from gr_plugin.apps.common import resolve_backend
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for opts in (KVCacheOptions(backend="gpu"), KVCacheOptions(backend="gpu", host_cache_gb=0.0),
+                     KVCacheOptions(backend="flexkv")):
+            resolve_backend(opts)

@@ -25,3 +25,10 @@ def test_the_tier_hit_bench_leaves_a_shared_redis_as_it_found_it(tmp_path, redis
 def test_bad_options_are_named(kwargs, error):
     with pytest.raises(ValueError, match=error):
         tiers.run(**kwargs)
+
+
+def test_one_part_may_be_given_by_name(monkeypatch):
+    """``tiers.parts=launch`` reaches the run as a str: one part, not the letters of one."""
+    ran = []
+    monkeypatch.setattr(tiers, "launch", lambda root: ran.append("launch") or [])
+    assert tiers.run(parts="launch") == [] and ran == ["launch"]

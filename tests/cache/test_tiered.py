@@ -239,7 +239,7 @@ def test_a_failed_renewal_is_retried_after_the_back_off_not_the_interval(tmp_pat
     monkeypatch.setattr(tiered, "_now", lambda: clock[0])
     client = redis.Redis.from_url(redis_url)
     m = make(tmp_path, ssd=False, redis_url=redis_url, remote_ttl_s=3600)
-    m.backend._remote.retry_after_s = 0.0  # (the store asks the restarted server at once; the retry is 1 s)
+    m.backend._remote.retry_after_s = 0.3  # (the store's back-off; the renewal's retry is 1 s)
     run_step(m, [21], [history_tokens(21, 13)])
     settle(m)
     saved = {k: client.dump(k) for k in client.scan_iter("*")}
@@ -257,6 +257,7 @@ def test_a_failed_renewal_is_retried_after_the_back_off_not_the_interval(tmp_pat
     redis_server.restart()
     for k, v in saved.items():
         client.restore(k, 100_000, v)  # the pages are back, 100 s to live
+    time.sleep(0.35)  # (the store's back-off ends)
     clock[0] += 0.5
     got = step_ttls()
     assert all(t <= 100 for t in got), got  # within the 1 s retry: not asked again
@@ -378,6 +379,40 @@ def test_redis_killed_mid_run_then_restarted(tmp_path, redis_server, redis_url):
     settle(m)
     assert m.stats()["remote_pages_written"] - before == 2  # writes work again after the restart
     m.check()
+
+
+def test_a_renewal_the_server_refuses_is_not_retried_before_the_interval(tmp_path, redis_url, monkeypatch):
+    """A server that refuses EXPIRE (an ACL, a read-only replica) gives the same answer a second later:
+    such a user is due again after the interval, not after the 1 s retry of an unreachable server (that
+    would send an EXPIRE per page and user every second, up to 900x the traffic at a 1 h TTL)."""
+    import redis
+
+    from gr_plugin.cache import tiered
+
+    clock = [1000.0]
+    monkeypatch.setattr(tiered, "_now", lambda: clock[0])
+    client = redis.Redis.from_url(redis_url)
+    client.acl_setuser("no-expire", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-expire"])
+    try:
+        m = make(tmp_path, ssd=False, redis_url=redis_url.replace("redis://", "redis://no-expire:pw@"),
+                 remote_ttl_s=3600)
+        run_step(m, [21], [history_tokens(21, 13)])
+        settle(m)
+
+        def step():
+            run_step(m, [21], [history_tokens(21, 14)])  # a device hit: the lookup renews
+            settle(m)
+            return m.stats()["remote_renewals"], m.stats()["remote_renew_failed"]
+
+        assert step() == (1, 3)  # refused
+        clock[0] += 5
+        assert step() == (1, 3)  # not asked again within the interval
+        clock[0] += 900
+        assert step() == (2, 6)
+        m.close()
+    finally:
+        client.acl_deluser("no-expire")
+        client.close()
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
@@ -636,3 +671,34 @@ def test_two_processes_share_one_redis(tmp_path, redis_url):
     lk, plan = run_step(b, [42], [history_tokens(42, 19)])  # exact values, from process A's pages
     assert lk.tier_tokens["remote"] == [16] and plan.onboard_tokens == [16]
     b.check()
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_a_new_dtype_rebuilds_the_stores_and_old_remote_pages_are_misses(tmp_path, redis_url, fail_open):
+    """``rebind`` to another dtype: the SSD and Redis stores took the old page size (a read then failed
+    with "out rows hold 256 bytes, the store's pages hold 512", an error with fail_open=False); they are
+    rebuilt. Redis keeps the old dtype's pages for other processes (a clear no longer wipes the server);
+    here they are misses, recomputed and rewritten, and a replica in the new dtype then hits."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    m = make(tmp_path / "a", redis_url=redis_url, fail_open=fail_open)
+    run_step(m, [1], [history_tokens(1, 8)])
+    settle(m)
+    assert client.dbsize() == 2
+    m.rebind(m.kv_table.to(torch.bfloat16))
+    assert m.backend._remote.page_bytes == m.config.page_bytes == PAGE_BYTES // 2
+    assert m.backend._ssd.page_bytes == PAGE_BYTES // 2 and client.dbsize() == 2  # (kept for the others)
+    lk, plan = run_step(m, [1], [history_tokens(1, 9)])  # (K/V of every layer checked, in bfloat16)
+    assert lk.tier_tokens["remote"] == [8] and plan.cached_lengths == [0]  # found, not trusted: recomputed
+    assert m.stats()["remote_corruptions"] == 2
+    settle(m)
+    b = KVCacheManager(tiny_config(num_pages=12, host_cache_bytes=6 * PAGE_BYTES // 2, dtype="bfloat16"),
+                       TieredBackend(TierConfig(cpu_cache_gb=3 * PAGE_BYTES / 2**30, enable_3rd_remote=True,
+                                                remote_url=redis_url)))
+    lk, plan = run_step(b, [1], [history_tokens(1, 9)])
+    assert lk.tier_tokens["remote"] == [8] and plan.lower_tier_tokens == {"remote": 8}  # the rewritten pages
+    m.check()
+    for x in (m, b):
+        x.close()
+    client.close()

@@ -31,20 +31,31 @@ _CREDENTIALS = re.compile(r"(?<=://)[^@/\s]*@")
 
 def _url_problem(url: str) -> str | None:
     """What is wrong with a redis:// / rediss:// URL's port or database that the client would not say
-    until it connects, or ignores (``/abc`` as the database: the client silently uses 0); None: nothing."""
+    until it connects, or ignores (``/abc`` as the database: the client silently uses 0); None: nothing.
+    As the client reads them: a ``?db=`` beats the path, the path is %-decoded. Names no part of the URL
+    (an unencoded ``/`` in a password puts it where the port or path would be)."""
     if url.startswith("unix://"):
         return None
-    parts = urllib.parse.urlsplit(url)
+    parts = urllib.parse.urlparse(url)
     try:
         parts.port  # noqa: B018 - (the property raises for a port out of range or not a number)
     except ValueError:
-        return f"the port must be a number in [0, 65535], got {parts.netloc.rpartition(':')[2]!r}"
-    db = parts.path.strip("/")
+        return "the port must be a number in [0, 65535]"
     query = urllib.parse.parse_qs(parts.query).get("db", [])
-    for value in ([db] if db else []) + query:
-        if not value.isdigit():
-            return f"the database must be a number, got {value!r}"
+    values = query or ([db] if (db := urllib.parse.unquote(parts.path).strip("/")) else [])
+    if any(not v.isdigit() for v in values):
+        return "the database (its path, or ?db=) must be a number"
     return None
+
+
+def _shown_url(url: str) -> str:
+    """``url`` for an error message: `redact`'s form, or, where a password could not be told apart (an
+    unencoded ``/`` or ``@`` in it), only what follows the last ``@``."""
+    shown = redact(url)
+    if "@" in shown and "***@" not in shown:
+        scheme, _, rest = url.partition("://")
+        shown = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return shown
 
 
 def redact(value: Any) -> Any:
@@ -117,7 +128,7 @@ class TierConfig:
                              f"got {redact(self.remote_url)!r}")
         why = _url_problem(self.remote_url)
         if why is not None:
-            raise ValueError(f"TierConfig.remote_url {redact(self.remote_url)!r}: {why}")
+            raise ValueError(f"TierConfig.remote_url {_shown_url(self.remote_url)!r}: {why}")
         n = self.ssd_num_threads
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ValueError(f"TierConfig.ssd_num_threads must be an int in [1, 256], got {n!r}")

@@ -156,6 +156,11 @@ class RedisPageStore(PageStore):
             return False
         return True
 
+    @property
+    def backing_off(self) -> bool:
+        """True while the store does not ask the server (after a connection error)."""
+        return time.monotonic() < self._down_until
+
     def _failed(self, what: str, exc: BaseException, back_off: bool = True) -> str:
         """Count and log a failure (backing off: the server is not asked for ``retry_after_s``);
         returns its description."""
@@ -241,9 +246,9 @@ class RedisPageStore(PageStore):
     def get_many(self, keys: list[PageKey], out: torch.Tensor, *, strict: bool = False) -> list[bool]:
         """Read ``keys[i]`` into ``out[i]``; True only for a value whose header names ``keys[i]`` and
         whose checksum verifies. Rows answered False hold unspecified bytes. ``strict``: where the
-        server cannot be asked (backing off) or stops answering, raise `PageStoreUnavailable` instead
-        of answering False (counted and backed off from all the same); a missing, corrupt or foreign
-        value is a False either way."""
+        server cannot be asked (backing off), stops answering or refuses reads (READONLY, NOPERM),
+        raise `PageStoreUnavailable` instead of answering False (counted and backed off from all the
+        same); a missing, corrupt or foreign (WRONGTYPE) value is a False either way."""
         addrs, row = page_rows(keys, out, self.page_bytes, "out")
         if not keys:
             return []
@@ -290,7 +295,14 @@ class RedisPageStore(PageStore):
                 raise PageStoreUnavailable(f"Redis page store {self._safe_url()} cannot be reached: {why}") from exc
         else:
             if refused is not None:
-                self._failed("GET", refused, back_off=False)
+                why = self._failed("GET", refused, back_off=False)
+                # NOTE: WRONGTYPE is one foreign key at a page's name (a miss); another refusal (READONLY,
+                # NOPERM, ...) is the server's answer to every read: fail-closed, an error.
+                if strict and not str(refused).startswith("WRONGTYPE"):
+                    hits = sum(results)
+                    self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
+                                get_latency_s=time.perf_counter() - start)
+                    raise PageStoreUnavailable(f"Redis page store {self._safe_url()} refused a read: {why}")
             else:
                 self._errors.success()
         if corrupt:
@@ -409,7 +421,9 @@ class RedisPageStore(PageStore):
         self._delete_matching(self._user_prefix(namespace, user_id) + "*")
 
     def evict_namespace(self, namespace: str) -> None:
-        """Delete every page of ``namespace`` (every replica loses them; other namespaces keep theirs)."""
+        """Delete every page of ``namespace`` (every replica loses them; other namespaces keep theirs).
+        Best effort, like every call here: while the server cannot be reached nothing is deleted (the
+        failure is counted and logged; a TTL still expires the pages)."""
         self._delete_matching(f"{self.key_prefix}:{quote(namespace, safe='')}:*")  # (quoted: no glob character)
 
     def clear(self) -> None:

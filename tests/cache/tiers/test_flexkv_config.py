@@ -117,15 +117,19 @@ def test_bad_values_are_rejected(field, value):
 
 
 @pytest.mark.parametrize("url, error", [
-    ("redis://h:99999/0", r"port must be a number in \[0, 65535\], got '99999'"),
-    ("redis://h:x/0", r"port must be .* got 'x'"),
-    ("redis://h:6379/abc", r"database must be a number, got 'abc'"),  # (the client used database 0)
-    ("redis://user:s3cret@h:6379/0?db=two", r"'redis://\*\*\*@h:6379/0\?db=two': the database must be"),
+    ("redis://h:99999/0", r"'redis://h:99999/0': the port must be a number in \[0, 65535\]"),
+    ("redis://h:x/0", r"port must be"),
+    ("redis://h:6379/abc", r"database .* must be a number"),  # (redis-py used database 0)
+    ("redis://h:6379/1;x", r"database .* must be a number"),  # (the same)
+    ("redis://user:s3cret@h:6379/0?db=two", r"'redis://\*\*\*@h:6379/0\?db=two': the database"),
+    ("redis://:pa/ss@h:6379/0", r"'redis://\*\*\*@h:6379/0': the port"),  # (a '/' in the password: not shown)
 ])
 def test_a_remote_url_with_a_bad_port_or_database_is_refused_before_connecting(url, error):
-    with pytest.raises(ValueError, match=error):
+    with pytest.raises(ValueError, match=error) as refused:
         TierConfig(remote_url=url)
-    for good in ("redis://h:6379/2", "redis://h", "rediss://:pw@h:1/", "redis://[::1]:6379/0", "unix:///tmp/r.sock"):
+    assert "s3cret" not in str(refused.value) and "pa/ss" not in str(refused.value)
+    for good in ("redis://h:6379/2", "redis://h", "rediss://:pw@h:1/", "redis://[::1]:6379/0", "unix:///tmp/r.sock",
+                 "redis://h:6379/abc?db=2", "redis://h/%31"):  # (?db= beats the path; the path is %-decoded)
         assert TierConfig(remote_url=good).remote_url == good
 
 

@@ -177,6 +177,31 @@ def test_a_strict_match_refused_by_the_server_raises_without_backing_off(redis_u
     owner.close()
 
 
+def test_a_strict_read_refused_by_the_server_raises_but_a_foreign_key_is_a_miss(redis_url, client):
+    """Fail-closed, a server refusing reads (an ACL, READONLY after a failover) is an error like a refused
+    EXISTS (it was a silent miss); a key of another type at a page's name (WRONGTYPE) stays a miss."""
+    owner = RedisPageStore(redis_url)
+    keys = user_keys(1, 3)
+    pages = random_pages(3)
+    owner.put_many(keys, pages)
+    client.acl_setuser("no-get", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-get", "-getex"])
+    try:
+        s = RedisPageStore(redis_url.replace("redis://", "redis://no-get:pw@"), retry_after_s=60)
+        out = torch.empty_like(pages)
+        assert s.get_many(keys, out) == [False] * 3  # fail-open: misses
+        with pytest.raises(PageStoreUnavailable, match="refused a read: GET: NoPermissionError"):
+            s.get_many(keys, out, strict=True)
+        assert s.stats()["skipped_while_down"] == 0 and s.stats()["misses"] == 6  # (no back-off; counted)
+        s.close()
+    finally:
+        client.acl_deluser("no-get")
+    client.delete(owner.key_name(keys[1]))
+    client.rpush(owner.key_name(keys[1]), b"not a page")
+    out = torch.empty_like(pages)
+    assert owner.get_many(keys, out, strict=True) == [True, False, True]
+    owner.close()
+
+
 def test_two_replicas_share_pages(redis_url):
     a = RedisPageStore(redis_url, key_prefix="shared")
     b = RedisPageStore(redis_url, key_prefix="shared")
