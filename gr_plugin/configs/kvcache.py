@@ -1,8 +1,9 @@
 """Schema of the ``kvcache`` config group (``+kvcache=none|gpu|native|flexkv``).
 
-Owns `KVCacheOptions` and its registration as ``kvcache/base_kvcache`` in Hydra's ConfigStore;
-every option's YAML (packaged in ``gr_plugin/conf/kvcache``) starts from it, so a typo such as
-``kvcache.page_sise=64`` is rejected. Imports no torch.
+Owns `KVCacheOptions` and its registration as ``gr_plugin_schema/kvcache`` in Hydra's ConfigStore;
+every option's YAML (packaged in ``gr_plugin/conf/kvcache``) starts from it
+(``- /gr_plugin_schema/kvcache@_here_``), so a typo such as ``kvcache.page_sise=64`` is rejected. It
+lives outside the ``kvcache`` group, so Hydra never offers it as a ``kvcache`` option. Imports no torch.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class KVCacheOptions:
 
 
 def register() -> None:
-    ConfigStore.instance().store(group="kvcache", name="base_kvcache", node=KVCacheOptions)
+    ConfigStore.instance().store(group="gr_plugin_schema", name="kvcache", node=KVCacheOptions)
 
 
 register()

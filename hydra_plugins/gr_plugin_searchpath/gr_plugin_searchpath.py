@@ -7,7 +7,7 @@ the group's schema. Hydra discovers it through the ``hydra_plugins`` namespace p
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-import gr_plugin.configs.kvcache  # noqa: F401 - registers kvcache/base_kvcache
+import gr_plugin.configs.kvcache  # noqa: F401 - registers gr_plugin_schema/kvcache
 
 
 class GrPluginSearchPathPlugin(SearchPathPlugin):

@@ -53,3 +53,14 @@ def test_the_callback_gets_the_cuda_graphs_option(graphs):
                                                        "kvcache.page_size=16"])
     cb = make_callback(OmegaConf.to_object(cfg).kvcache)
     assert cb.cuda_graphs is graphs and cb.page_size == 16 and cb.backend == "native"
+
+
+def test_an_unknown_kvcache_option_lists_the_options_and_not_the_schema():
+    """``+kvcache=bogus`` listed the schema, ``base_kvcache``, among the options (a UAT nit): it now lives in
+    its own group, ``gr_plugin_schema``."""
+    from hydra.errors import MissingConfigException
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"), pytest.raises(MissingConfigException) as err:
+        compose(config_name="infer", overrides=["+kvcache=bogus"])
+    listed = str(err.value).split("Available options in 'kvcache':")[1].split("Config search path")[0].split()
+    assert listed == ["flexkv", "gpu", "native", "none"]
