@@ -12,6 +12,7 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
+from gr_plugin.apps.common import single_log_lines
 from gr_plugin.cache.tiers.flexkv_config import redact
 from gr_plugin.configs.checked import to_object
 
@@ -30,6 +31,7 @@ def override_columns(overrides: list[str]) -> dict[str, str]:
 
 @hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
 def main(cfg) -> None:
+    single_log_lines()
     hc = HydraConfig.get()
     obj = to_object(cfg)
     if obj.results_csv is None:

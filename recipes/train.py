@@ -14,12 +14,14 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import train
+from gr_plugin.apps.common import single_log_lines
 from gr_plugin.configs.checked import to_object
 from gr_plugin.configs.schema import TrainConfig
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg) -> None:
+    single_log_lines()
     hc = HydraConfig.get()
     obj: TrainConfig = to_object(cfg)
     given = any(o.split("=", 1)[0].lstrip("+~") == "ckpt_out" for o in hc.overrides.task)

@@ -30,6 +30,20 @@ from gr_plugin.modules import HSTUConfig, KVCacheModule
 logger = logging.getLogger(__name__)
 
 
+def single_log_lines() -> None:
+    """Lightning gives its loggers (``lightning.pytorch``, ``lightning.fabric``) a console handler of their
+    own and lets their records propagate: under a Hydra run, whose root logger prints (and writes the
+    run's ``.log`` file), every Lightning line printed twice. Drops Lightning's console handlers where the
+    root logger has a handler, so each record prints once, in Hydra's format, and reaches the file."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            if type(handler) is logging.StreamHandler:
+                log.removeHandler(handler)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

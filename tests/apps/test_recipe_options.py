@@ -424,3 +424,16 @@ def test_the_options_a_recipe_builds_itself_warn_about_nothing():
         for opts in (KVCacheOptions(backend="gpu"), KVCacheOptions(backend="gpu", host_cache_gb=0.0),
                      KVCacheOptions(backend="flexkv")):
             resolve_backend(opts)
+
+
+def test_a_recipe_prints_each_lightning_line_once(tmp_path):
+    """Lightning's own console handlers and Hydra's root handler printed every Lightning record twice."""
+    cmd = [sys.executable, "-m", "recipes.train", *TINY_SYNTHETIC, "trainer.max_steps=1",
+           "trainer.limit_train_batches=1", "validate=false", "trainer.enable_progress_bar=false",
+           f"ckpt_out={tmp_path}/t.ckpt", f"hydra.run.dir={tmp_path}/run"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = out.stdout + out.stderr
+    assert printed.count("Seed set to 0") == 1 and printed.count("`Trainer.fit` stopped") == 1, printed[-3000:]
+    assert (tmp_path / "run" / "train.log").read_text().count("Seed set to 0") == 1  # (and the run's log has it)
