@@ -140,9 +140,15 @@ class KVCacheManager:
         self.device = config.torch_device
         shape = (config.num_layers, config.num_pages, 2, config.page_size, config.num_heads, config.head_dim)
         if kv_table is None:
-            kv_table = paged_ops.new_kv_table(
-                *shape[:2], *shape[3:], dtype=config.torch_dtype, device=self.device
-            )
+            try:
+                kv_table = paged_ops.new_kv_table(
+                    *shape[:2], *shape[3:], dtype=config.torch_dtype, device=self.device
+                )
+            except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+                need = config.num_pages * config.page_bytes
+                raise ValueError(f"num_pages={config.num_pages} device pages need {need / 2**30:.2f} GiB on "
+                                 f"{self.device} ({config.page_bytes} bytes a page), which could not be "
+                                 f"allocated: {str(exc).splitlines()[0][:200]}") from exc
         elif tuple(kv_table.shape) != shape or kv_table.dtype != config.torch_dtype:
             raise ValueError(f"kv_table must be {shape} {config.torch_dtype}, got "
                              f"{tuple(kv_table.shape)} {kv_table.dtype}")

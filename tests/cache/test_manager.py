@@ -257,3 +257,11 @@ def test_kv_table_shape_is_checked():
     cfg = tiny_config()
     with pytest.raises(ValueError, match="kv_table"):
         KVCacheManager(cfg, kv_table=torch.zeros(1, 2, 3))
+
+
+def test_a_device_table_too_large_to_allocate_names_num_pages():
+    """torch's allocator error (``DefaultCPUAllocator: can't allocate memory ...``) said neither which option
+    nor how much: the manager names ``num_pages`` and the size it asked for."""
+    with pytest.raises(ValueError, match=r"num_pages=1000000000000 device pages need .* GiB on cpu .*could not be "
+                                         r"allocated"):
+        KVCacheManager(tiny_config(num_pages=10**12))
