@@ -71,12 +71,19 @@ def make_trainer(opts: TrainerOptions, callbacks: list, **overrides) -> L.Traine
 _HOST_GB_DEFAULT = KVCacheOptions().host_cache_gb  # (what flexkv's YAML inherits from the schema)
 
 
+def _check_backend(opts: KVCacheOptions) -> None:
+    """A known ``kvcache.backend``, and ``native``'s ``host_cache_gb`` >= 0."""
+    if opts.backend not in BACKENDS:
+        raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    if opts.backend == "native" and not opts.host_cache_gb >= 0:
+        raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
+
+
 def resolve_backend(opts: KVCacheOptions) -> str | None:
     """Engine that serves a ``kvcache`` option (None: no cache). Options the backend does not read are
     warned about: only ``flexkv`` reads ``kvcache.tiers`` and ``kvcache.tier_config``; ``flexkv`` sizes
     its host tier by ``tiers.cpu_cache_gb``, not ``host_cache_gb``; ``gpu`` has no host tier."""
-    if opts.backend not in BACKENDS:
-        raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    _check_backend(opts)
     if opts.backend != "flexkv" and (opts.tier_config or opts.tiers != TierConfig()):
         warnings.warn(f"kvcache.tiers / kvcache.tier_config apply to the flexkv backend (+kvcache=flexkv); "
                       f"backend {opts.backend!r} ignores them", UserWarning, stacklevel=2)
@@ -125,14 +132,11 @@ def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: s
     capacity, ``host_cache_gb``, the tiers (a FlexKV YAML included) and an SSD directory that cannot be
     created or written. Errors name the option (``kvcache.page_size``, ``kvcache.tiers.ssd_cache_dir``)
     and the value; nothing is built (the SSD directory is created, as the run would)."""
-    if opts is None or opts.backend == "none":
-        if opts is not None and opts.backend not in BACKENDS:
-            raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
+    if opts is None:
         return
-    if opts.backend not in BACKENDS:
-        raise ValueError(f"kvcache.backend must be one of {list(BACKENDS)}, got {opts.backend!r}")
-    if opts.backend == "native" and not opts.host_cache_gb >= 0:
-        raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
+    _check_backend(opts)
+    if opts.backend == "none":
+        return
     try:
         KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                       page_size=opts.page_size, num_pages=opts.num_pages,
@@ -201,8 +205,6 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
     if backend is None:
         return None
     tiers = tier_config(opts) if backend == "flexkv" else None
-    if backend == "native" and not opts.host_cache_gb >= 0:
-        raise ValueError(f"kvcache.host_cache_gb must be >= 0, got {opts.host_cache_gb!r}")
     host_gb = {"gpu": 0.0, "native": opts.host_cache_gb}.get(backend, tiers.cpu_cache_gb if tiers else 0.0)
     cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                         page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or DTYPE_NAMES[dtype],

@@ -2,7 +2,8 @@
 
 Each store keeps the `PageStore` contract (`types`): whole pages keyed by `PageKey`, batched
 ``put_many`` / ``get_many`` / ``match``, verified reads, thread safety, and no exception for I/O or
-network failures (but `PageStoreUnavailable` from a remote ``match`` asked with ``strict=True``).
+network failures (but `PageStoreUnavailable` from a remote ``match`` or ``get_many`` asked with
+``strict=True``).
 `TierConfig` describes the tiers in FlexKV's terms. This package does not move pages between the
 device, the host tier and these stores; the tiered backend does. ``redis`` is imported only when a
 `RedisPageStore` is built; names load on first use (`flexkv_config` imports no torch, so Hydra

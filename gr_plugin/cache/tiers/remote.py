@@ -13,8 +13,9 @@ and a user's keys are exactly those matching ``{prefix}:{ns}:{user_id}:*``.
 Fail-open: a connection error, a timeout or a dead server makes every call answer False / 0; the
 error is counted and logged once per burst, and for ``retry_after_s`` the store does not call the
 server at all (a blackholed host would otherwise cost a timeout per call). The client reconnects by
-itself once the server is back. Only ``match(..., strict=True)`` (a fail-closed tiered backend's
-lookup) raises instead: `PageStoreUnavailable`, naming the URL and the cause. The store does not
+itself once the server is back. Only ``match`` and ``get_many`` asked with ``strict=True`` (a
+fail-closed tiered backend's lookup and reads) raise instead: `PageStoreUnavailable`, naming the URL
+and the cause. The store does not
 enforce the contiguous-prefix rule (the server evicts keys on its own, e.g.
 ``maxmemory-policy allkeys-lru``); `match` counts leading pages only. ``redis`` is imported here
 only, when a store is built.
@@ -65,7 +66,8 @@ class RedisPageStore(PageStore):
     `renew`;
     ``retry_after_s``: after an error, calls answer False / 0 at once for this long;
     ``page_bytes`` (optional) checks every tensor row. Raises `ValueError` for bad arguments;
-    an unreachable server is not an error here (the store fails open), except to a strict `match`.
+    an unreachable server is not an error here (the store fails open), except to a strict `match` or
+    `get_many`.
     """
 
     tier_name = "remote"
@@ -160,6 +162,12 @@ class RedisPageStore(PageStore):
     def backing_off(self) -> bool:
         """True while the store does not ask the server (after a connection error)."""
         return time.monotonic() < self._down_until
+
+    def _unavailable_backing_off(self) -> PageStoreUnavailable:
+        """What a strict call raises while the store backs off (names the last failure)."""
+        return PageStoreUnavailable(
+            f"Redis page store {self._safe_url()} is not asked: backing off for "
+            f"{max(self._down_until - time.monotonic(), 0.0):.3f} s after {self._last_error}")
 
     def _failed(self, what: str, exc: BaseException, back_off: bool = True) -> str:
         """Count and log a failure (backing off: the server is not asked for ``retry_after_s``);
@@ -256,9 +264,7 @@ class RedisPageStore(PageStore):
         if not self._available():
             self._count(misses=len(keys))
             if strict:
-                raise PageStoreUnavailable(
-                    f"Redis page store {self._safe_url()} is not asked: backing off for "
-                    f"{max(self._down_until - time.monotonic(), 0.0):.3f} s after {self._last_error}")
+                raise self._unavailable_backing_off()
             return results
         start = time.perf_counter()
         code = dtype_code(out.dtype)
@@ -266,6 +272,7 @@ class RedisPageStore(PageStore):
             commands = [("getex", (self.key_name(k),), {"ex": self.ttl_s}) for k in keys]
         else:
             commands = [("get", (self.key_name(k),), {}) for k in keys]
+        unavailable: PageStoreUnavailable | None = None  # (what a strict read raises, once counted)
         corrupt: list[tuple[PageKey, str]] = []
         refused: BaseException | None = None
         nbytes = 0
@@ -289,20 +296,15 @@ class RedisPageStore(PageStore):
         except self._errors_types as exc:
             why = self._failed("GET", exc)
             if strict:
-                hits = sum(results)
-                self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
-                            get_latency_s=time.perf_counter() - start)
-                raise PageStoreUnavailable(f"Redis page store {self._safe_url()} cannot be reached: {why}") from exc
+                unavailable = PageStoreUnavailable(f"Redis page store {self._safe_url()} cannot be reached: {why}")
+                unavailable.__cause__ = exc
         else:
             if refused is not None:
                 why = self._failed("GET", refused, back_off=False)
                 # NOTE: WRONGTYPE is one foreign key at a page's name (a miss); another refusal (READONLY,
                 # NOPERM, ...) is the server's answer to every read: fail-closed, an error.
                 if strict and not str(refused).startswith("WRONGTYPE"):
-                    hits = sum(results)
-                    self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
-                                get_latency_s=time.perf_counter() - start)
-                    raise PageStoreUnavailable(f"Redis page store {self._safe_url()} refused a read: {why}")
+                    unavailable = PageStoreUnavailable(f"Redis page store {self._safe_url()} refused a read: {why}")
             else:
                 self._errors.success()
         if corrupt:
@@ -311,6 +313,8 @@ class RedisPageStore(PageStore):
         hits = sum(results)
         self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
                     get_latency_s=time.perf_counter() - start)
+        if unavailable is not None:
+            raise unavailable
         return results
 
     def renew(self, keys: list[PageKey]) -> list[bool | None]:
@@ -367,9 +371,7 @@ class RedisPageStore(PageStore):
             return min(start, len(page_hashes)) if start else 0
         if not self._available():
             if strict:
-                raise PageStoreUnavailable(
-                    f"Redis page store {self._safe_url()} is not asked: backing off for "
-                    f"{max(self._down_until - time.monotonic(), 0.0):.3f} s after {self._last_error}")
+                raise self._unavailable_backing_off()
             return start
         t0 = time.perf_counter()
         prefix = self._user_prefix(namespace, user_id)

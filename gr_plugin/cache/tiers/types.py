@@ -86,8 +86,8 @@ def page_rows(keys: list[PageKey], pages: torch.Tensor, page_bytes: int | None, 
 
 
 class PageStoreUnavailable(RuntimeError):
-    """A store asked strictly (``RedisPageStore.match(..., strict=True)``) could not answer: its
-    server is unreachable, being backed off from, or refused the command. The message names the
+    """A store asked strictly (``RedisPageStore.match`` / ``get_many`` with ``strict=True``) could not
+    answer: its server is unreachable, being backed off from, or refused the command. The message names the
     (redacted) URL and the cause."""
 
 
@@ -96,8 +96,8 @@ class PageStore(ABC):
 
     Every user's pages form a contiguous prefix of their history where the store can enforce it.
     Calls never raise for I/O or network errors: they answer False / 0 and count the error (a
-    store's ``match`` asked with ``strict=True``, where it takes one, raises `PageStoreUnavailable`
-    instead). Bad arguments raise `ValueError`.
+    store's ``match`` or ``get_many`` asked with ``strict=True``, where it takes one, raises
+    `PageStoreUnavailable` instead). Bad arguments raise `ValueError`.
     """
 
     #: a short name for logs and stats (``"ssd"``, ``"remote"``)
