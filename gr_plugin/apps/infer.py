@@ -61,7 +61,6 @@ def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:
     """The model's weights and a description of them. Also salts ``cfg.kvcache.namespace`` with the
     weights' fingerprint (`cache_namespace`), so every cache made from ``cfg`` afterwards (infer,
     export, serve) holds these weights' K/V only."""
-    check_cache_options(cfg.kvcache, cfg.model, getattr(cfg, "dtype", "float32"))  # (before training one)
     module, weights = _find_weights(cfg)
     if cfg.kvcache is not None:
         cfg.kvcache = dataclasses.replace(cfg.kvcache, namespace=cache_namespace(cfg.kvcache.namespace, module))

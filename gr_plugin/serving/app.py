@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gr_plugin.apps.common import make_cache, model_dtype, pick_device
+from gr_plugin.apps.common import check_cache_options, make_cache, model_dtype, pick_device
 from gr_plugin.apps.infer import _load_or_train
 from gr_plugin.configs.serve import ServeConfig
 from gr_plugin.inference import RankingEngine
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 def build_service(cfg: ServeConfig) -> tuple[RankingService, str]:
     """The replica's `RankingService` and a description of its weights."""
     dtype = model_dtype(cfg.dtype, cfg.kvcache, owner="the replica's dtype")
+    check_cache_options(cfg.kvcache, cfg.model, cfg.dtype)  # (before the weights: a missing checkpoint trains)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
     module, weights = _load_or_train(cfg)
