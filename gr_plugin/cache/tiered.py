@@ -165,6 +165,13 @@ class TieredBackend(HostTier):
                                           ttl_s=self.tiers.remote_ttl_s)
             self._built.add("remote")
 
+    def _store_ns(self, key: Key) -> str:
+        """The namespace the SSD and remote tiers file ``key``'s pages under: the cache's, then the cache
+        dtype. Replicas of one model at two precisions sharing a Redis (or, run after run, an SSD
+        directory) keep apart instead of overwriting each other's pages (which each would read as misses:
+        a page's header names its dtype)."""
+        return f"{key[0]}:{self.config.dtype}"
+
     def _stores(self) -> list[tuple[str, PageStore]]:
         return [(n, s) for n, s in (("ssd", self._ssd), ("remote", self._remote)) if s is not None]
 
@@ -190,12 +197,12 @@ class TieredBackend(HostTier):
         for name, store in self._stores():
             if name == "remote":
                 try:
-                    got = store.match(key[0], key[1], hashes, start=best, strict=not self.fail_open)
+                    got = store.match(self._store_ns(key), key[1], hashes, start=best, strict=not self.fail_open)
                 except PageStoreUnavailable as exc:
                     raise TierReadError(f"the remote tier cannot be asked for user {key[1]} of namespace {key[0]!r} "
                                         f"and fail_open=False: {exc}") from exc
             else:
-                got = store.match(key[0], key[1], hashes)
+                got = store.match(self._store_ns(key), key[1], hashes)
             best = max(best, got)
             out[name] = best
         return out
@@ -259,7 +266,7 @@ class TieredBackend(HostTier):
             for key, rows, first, upper, _ in due:
                 hashes = request_page_hashes(rows, 0, upper, P, seed)
                 spans.append((len(page_keys), len(page_keys) + upper - first))
-                page_keys += [PageKey(key[0], key[1], i, hashes[i]) for i in range(first, upper)]
+                page_keys += [PageKey(self._store_ns(key), key[1], i, hashes[i]) for i in range(first, upper)]
             try:
                 done = remote.renew(page_keys)
             except Exception:  # (the store answers None for I/O errors; this is e.g. a store closed meanwhile)
@@ -324,7 +331,7 @@ class TieredBackend(HostTier):
             where = [(i, j) for i, it in enumerate(items) for j, src in enumerate(it.sources) if src == name]
             if not where:
                 continue
-            keys = [PageKey(items[i].key[0], items[i].key[1], items[i].first_page + j, items[i].hashes[j])
+            keys = [PageKey(self._store_ns(items[i].key), items[i].key[1], items[i].first_page + j, items[i].hashes[j])
                     for i, j in where]
             staging = aligned_empty((len(keys), *row), cfg.torch_dtype)  # O_DIRECT reads land in place
             # NOTE: fail-closed, a remote tier that stops answering fails the task (allocate raises
@@ -437,7 +444,7 @@ class TieredBackend(HostTier):
         """Write pages to the lower tiers on a worker: ``pages`` staged already, or read from the
         published host ``slots`` there; if a reservation took any of them meanwhile (their
         generation moved), the read may be torn and nothing is written (counted, a later miss)."""
-        keys = [PageKey(key[0], key[1], first_page + i, h) for i, h in enumerate(hashes)]
+        keys = [PageKey(self._store_ns(key), key[1], first_page + i, h) for i, h in enumerate(hashes)]
         table, generations = self.host_table, self._slot_gen  # (what `bind` may replace meanwhile)
         gens = None if slots is None else self.slot_generations(slots, generations)
 
@@ -520,7 +527,7 @@ class TieredBackend(HostTier):
         with self._renew_lock:  # (a renewal in flight may run after the delete: EXPIRE creates nothing)
             self._renewed.pop(key, None)
         for _, store in self._stores():
-            store.evict_user(key[0], key[1])
+            store.evict_user(self._store_ns(key), key[1])
 
     def clear(self, namespace: str | None = None) -> None:
         """Drop the host and SSD tiers' pages, and of the shared remote tier ``namespace``'s only (None:
@@ -532,7 +539,7 @@ class TieredBackend(HostTier):
         if self._ssd is not None:
             self._ssd.clear()
         if self._remote is not None and namespace is not None:
-            self._remote.evict_namespace(namespace)
+            self._remote.evict_namespace(self._store_ns((namespace, 0)))
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

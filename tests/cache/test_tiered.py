@@ -674,31 +674,36 @@ def test_two_processes_share_one_redis(tmp_path, redis_url):
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
-def test_a_new_dtype_rebuilds_the_stores_and_old_remote_pages_are_misses(tmp_path, redis_url, fail_open):
+def test_a_new_dtype_rebuilds_the_stores_and_keeps_apart_from_the_old_dtypes_pages(tmp_path, redis_url, fail_open):
     """``rebind`` to another dtype: the SSD and Redis stores took the old page size (a read then failed
     with "out rows hold 256 bytes, the store's pages hold 512", an error with fail_open=False); they are
-    rebuilt. Redis keeps the old dtype's pages for other processes (a clear no longer wipes the server);
-    here they are misses, recomputed and rewritten, and a replica in the new dtype then hits."""
+    rebuilt. The lower tiers file pages under the namespace and the dtype, so the old dtype's pages in
+    Redis are neither found nor overwritten (before, both dtypes wrote the same keys and each read the
+    other's as corrupt): replicas in either dtype hit their own."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
     m = make(tmp_path / "a", redis_url=redis_url, fail_open=fail_open)
     run_step(m, [1], [history_tokens(1, 8)])
     settle(m)
-    assert client.dbsize() == 2
+    assert client.dbsize() == 2 and all(b"%3Afloat32:" in k for k in client.scan_iter("*"))
     m.rebind(m.kv_table.to(torch.bfloat16))
     assert m.backend._remote.page_bytes == m.config.page_bytes == PAGE_BYTES // 2
     assert m.backend._ssd.page_bytes == PAGE_BYTES // 2 and client.dbsize() == 2  # (kept for the others)
     lk, plan = run_step(m, [1], [history_tokens(1, 9)])  # (K/V of every layer checked, in bfloat16)
-    assert lk.tier_tokens["remote"] == [8] and plan.cached_lengths == [0]  # found, not trusted: recomputed
-    assert m.stats()["remote_corruptions"] == 2
+    assert lk.tier_tokens["remote"] == [0] and plan.cached_lengths == [0]  # not this dtype's: recomputed
+    assert m.stats()["remote_corruptions"] == 0
     settle(m)
-    b = KVCacheManager(tiny_config(num_pages=12, host_cache_bytes=6 * PAGE_BYTES // 2, dtype="bfloat16"),
-                       TieredBackend(TierConfig(cpu_cache_gb=3 * PAGE_BYTES / 2**30, enable_3rd_remote=True,
-                                                remote_url=redis_url)))
-    lk, plan = run_step(b, [1], [history_tokens(1, 9)])
-    assert lk.tier_tokens["remote"] == [8] and plan.lower_tier_tokens == {"remote": 8}  # the rewritten pages
+    assert client.dbsize() == 4 and len([k for k in client.scan_iter("*") if b"%3Abfloat16:" in k]) == 2
+    for dtype, page_bytes in (("bfloat16", PAGE_BYTES // 2), ("float32", PAGE_BYTES)):
+        b = KVCacheManager(tiny_config(num_pages=12, host_cache_bytes=6 * page_bytes, dtype=dtype),
+                           TieredBackend(TierConfig(cpu_cache_gb=3 * page_bytes / 2**30, enable_3rd_remote=True,
+                                                    remote_url=redis_url)))
+        lk, plan = run_step(b, [1], [history_tokens(1, 9)])
+        assert lk.tier_tokens["remote"] == [8] and plan.lower_tier_tokens == {"remote": 8}, dtype
+        assert b.stats()["remote_corruptions"] == 0
+        b.check()
+        b.close()
     m.check()
-    for x in (m, b):
-        x.close()
+    m.close()
     client.close()

@@ -64,8 +64,9 @@ def test_a_rerouted_user_hits_in_the_remote_tier_and_shutdown_flushes(replicas, 
     other, (w1, *_) = next((u, vs) for u, vs in by_user.items() if u != user and int(vs[0].history_lengths) >= 8)
     client.score(w1, replica=1)
     store = redis.Redis.from_url(redis_url)
-    # (keys hold the namespace percent-quoted: ``gr_plugin:w`` + 16 hex digits of the weights' fingerprint)
-    pattern = f"*:gr_plugin%3Aw{'?' * 16}:{other}:*"
+    # (keys hold the namespace percent-quoted: ``gr_plugin:w`` + 16 hex digits of the weights' fingerprint,
+    # then the cache dtype)
+    pattern = f"*:gr_plugin%3Aw{'?' * 16}%3Afloat32:{other}:*"
     assert not list(store.scan_iter(match=pattern))  # nothing published yet (interval 600 s)
     assert r1.stop() == 0
     assert len(list(store.scan_iter(match=pattern))) == int(w1.history_lengths) // PAGE
