@@ -5,7 +5,8 @@ full pages sit in, and the Python face of the host tier's policy, which lives in
 (``torch.classes.gr_kv_core.HostCore``, ``gr_plugin/csrc/core/host_core.cpp``, shared with a C++
 runtime): free slots kept as runs (a user's pages written together land in consecutive slots, so
 their copy is one transfer per layer), per user a contiguous prefix of published pages with their
-prefix hashes, reservations published in the order they were reserved, pins of readers, and the LRU
+prefix hashes, reservations published in the order they were reserved (whatever order they
+complete in), pins of readers, and the LRU
 over users that frees slots. It does not move bytes itself and knows nothing about device pages.
 Each slot has a generation, bumped whenever a reservation takes the slot (before any byte is written
 into it): a reader off the manager's thread (the write-down to a lower tier) reads a published slot's
@@ -220,10 +221,12 @@ class HostTier(KVBackend):
         ``from_lower_tier``: the pages were read from a tier below (no write-back to it).
         """
         want = 0 if not ok else (slots.numel() if num_ok is None else num_ok)
-        slot_list = slots.tolist()
-        first, hashes = self._core.publish(self._ns(key), key[1], slot_list, want)
-        if hashes.shape[0]:
-            self._on_published(key, first, slot_list[: hashes.shape[0]], from_pairs(hashes), from_lower_tier)
+        # NOTE: a user's reservations become readable in the order they were made: a write-through
+        # completed before an older lower-tier fetch of the user waits for it (and this call may apply
+        # older completions that waited for this one), each with its own ``from_lower_tier``.
+        for first, done_slots, hashes, tag in self._core.complete(self._ns(key), key[1], slots.tolist(), want,
+                                                                   int(from_lower_tier)):
+            self._on_published(key, first, done_slots.tolist(), from_pairs(hashes), bool(tag))
 
     def _on_published(self, key: Key, first_page: int, slots: list[int], hashes: list[int],
                       from_lower_tier: bool) -> None:

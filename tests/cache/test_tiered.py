@@ -550,6 +550,42 @@ def test_a_task_that_times_out_is_a_miss_or_an_error(tmp_path, fail_open):
     assert m.stats()["host_slots_used"] <= 6
 
 
+def test_a_write_through_that_finishes_before_an_older_fetch_of_the_user_waits_for_it(tmp_path):
+    """A lookup's fetch of user 1's SSD pages 0-3 is in flight (held back) when another step of user 1
+    commits page 4: its write-through reserves host slots behind the fetch's and its copy finishes first.
+    It used to raise "host publishes out of order" and leak the reservation and the device entry's
+    offload pin for good (`check` passed; `evict_all` then failed forever). Now it waits for the
+    fetch: once that lands, pages 0-4 are readable in order and nothing is held."""
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    slow = SlowStore(m.backend._ssd)
+    m.backend._ssd = slow
+    m.lookup(CacheRequest([1], [18], history_tokens(1, 18)))  # (a lookup whose step never comes)
+    lk, plan = run_step(m, [1], [history_tokens(1, 22)])  # values of every layer checked
+    assert plan.cached_lengths == [0]
+    m.offload_flush()  # page 4's copy is done: it waits for the fetch, no error
+    assert m.backend.pages_of((m.namespace, 1)) == []
+    slow.release.set()
+    deadline = time.time() + 5
+    while m.stats()["tasks_in_flight"] and time.time() < deadline:
+        m.offload_try_wait()
+        time.sleep(0.01)
+    m.backend._ssd = slow.inner
+    settle(m)
+    assert len(m.backend.pages_of((m.namespace, 1))) == 5 and m.stats()["host_slots_used"] == 5
+    assert m._entries[(m.namespace, 1)].offloads == 0
+    m.check()
+    m.evict([1])
+    lk, plan = run_step(m, [1], [history_tokens(1, 23)])  # the host's 5 pages, checked layer by layer
+    assert lk.tier_tokens["host"] == [20] and plan.onboard_tokens == [20]
+    settle(m)
+    m.evict_all(all_tiers=True)
+    m.check()
+    m.close()
+
+
 def test_a_cancelled_task_releases_its_slots(tmp_path):
     m = make(tmp_path, host_pages=6)
     run_step(m, [1], [history_tokens(1, 16)])

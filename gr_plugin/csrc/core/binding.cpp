@@ -511,6 +511,20 @@ TORCH_LIBRARY(gr_kv_core, m) {
                return std::make_tuple(first, digests_to_tensor(published));
              });
            })
+      // complete -> [(first page, slots, hashes [n, 2], tag)] per reservation applied now (any order in,
+      // reservation order out: HostCore::complete)
+      .def("complete",
+           [](const Host& s, int64_t ns, int64_t user, std::vector<int64_t> slots, int64_t num_ok, int64_t tag) {
+             return guarded([&] {
+               std::vector<HostCore::Published> out;
+               s->core.complete(ns_id(ns), user, slots, num_ok, tag, &out);
+               std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, int64_t>> groups;
+               for (const auto& p : out) {
+                 groups.emplace_back(p.first, to_tensor(p.slots), digests_to_tensor(p.hashes), p.tag);
+               }
+               return groups;
+             });
+           })
       .def("evict",
            [](const Host& s, int64_t ns, int64_t user) { guarded([&] { return s->core.evict(ns_id(ns), user), 0; }); })
       .def("clear", [](const Host& s) { guarded([&] { return s->core.clear(), 0; }); })

@@ -166,36 +166,61 @@ bool HostCore::reserve(int32_t ns, int64_t user, int64_t first, const Digest* ha
   return true;
 }
 
-int64_t HostCore::publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
-                          std::vector<Digest>* published) {
+void HostCore::complete(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok, int64_t tag,
+                        std::vector<Published>* out) {
   auto it = index_.find(Key{ns, user});
   if (it == index_.end() || it->second->pending.empty()) {
     throw std::logic_error("publish of user " + str(user) + " with nothing reserved");
   }
   Entry& e = *it->second;
-  if (e.pending.front().slots != slots) throw std::logic_error("host publishes out of order for user " + str(user));
-  Reservation res = std::move(e.pending.front());
-  e.pending.pop_front();
-  const int64_t n = static_cast<int64_t>(res.hashes.size());
-  const int64_t good = res.doomed ? 0 : std::max<int64_t>(0, std::min(num_ok, n));
-  const int64_t first = static_cast<int64_t>(e.hashes.size());
-  if (good > 0) {
-    e.slots.insert(e.slots.end(), res.slots.begin(), res.slots.begin() + good);
-    e.hashes.insert(e.hashes.end(), res.hashes.begin(), res.hashes.begin() + good);
-    published->assign(res.hashes.begin(), res.hashes.begin() + good);
-    pages_written_ += good;
-    e.version = ++clock_;
+  auto mine = std::find_if(e.pending.begin(), e.pending.end(),
+                           [&](const Reservation& r) { return !r.done && r.slots == slots; });
+  if (mine == e.pending.end()) {
+    throw std::logic_error("publish of user " + str(user) + " with slots it has not reserved");
   }
-  if (good == n) return first;
-  // NOTE: later reservations of this user would leave a hole in the prefix: they fail too.
-  for (Reservation& later : e.pending) later.doomed = true;
-  free_.free(std::vector<int64_t>(res.slots.begin() + good, res.slots.end()));
-  if (e.slots.empty() && e.pending.empty() && e.pins == 0) {
+  mine->done = true;
+  mine->num_ok = num_ok;
+  mine->tag = tag;
+  bool short_one = false;
+  while (!e.pending.empty() && e.pending.front().done) {
+    Reservation res = std::move(e.pending.front());
+    e.pending.pop_front();
+    const int64_t n = static_cast<int64_t>(res.hashes.size());
+    const int64_t good = res.doomed ? 0 : std::max<int64_t>(0, std::min(res.num_ok, n));
+    if (good > 0) {
+      Published p;
+      p.first = static_cast<int64_t>(e.hashes.size());
+      p.slots.assign(res.slots.begin(), res.slots.begin() + good);
+      p.hashes.assign(res.hashes.begin(), res.hashes.begin() + good);
+      p.tag = res.tag;
+      e.slots.insert(e.slots.end(), p.slots.begin(), p.slots.end());
+      e.hashes.insert(e.hashes.end(), p.hashes.begin(), p.hashes.end());
+      pages_written_ += good;
+      e.version = ++clock_;
+      out->push_back(std::move(p));
+    }
+    if (good == n) continue;
+    // NOTE: later reservations of this user would leave a hole in the prefix: they fail too.
+    short_one = true;
+    for (Reservation& later : e.pending) later.doomed = true;
+    free_.free(std::vector<int64_t>(res.slots.begin() + good, res.slots.end()));
+  }
+  if (short_one && e.slots.empty() && e.pending.empty() && e.pins == 0) {
     auto lit = it->second;
     index_.erase(it);
     lru_.erase(lit);
   }
-  return first;
+}
+
+int64_t HostCore::publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
+                          std::vector<Digest>* published) {
+  const Entry* e = find(Key{ns, user});
+  const int64_t held = e == nullptr ? 0 : static_cast<int64_t>(e->hashes.size());
+  std::vector<Published> out;
+  complete(ns, user, slots, num_ok, 0, &out);
+  published->clear();
+  for (const Published& p : out) published->insert(published->end(), p.hashes.begin(), p.hashes.end());
+  return out.empty() ? held : out.front().first;
 }
 
 std::vector<HostCore::WriteThrough> HostCore::reserve_write_through(int32_t ns, const CacheCore& core,

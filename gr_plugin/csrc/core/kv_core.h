@@ -342,9 +342,23 @@ class HostCore {
   // every idle user). Drops the user's stale tail past `first`, then LRU users (`dropped`).
   bool reserve(int32_t ns, int64_t user, int64_t first, const Digest* hashes, int64_t n, std::vector<int64_t>* slots,
                std::vector<Dropped>* dropped);
-  // Publish the user's oldest reservation (its slots must equal `slots`): its first `num_ok` pages
-  // become readable (0: none; the rest go back and later reservations of the user are doomed).
-  // Returns the first page published; `published` gets the published pages' hashes.
+  // Pages that became readable: `first` page on, in `slots`, with these hashes; `tag` as completed.
+  struct Published {
+    int64_t first;
+    std::vector<int64_t> slots;
+    std::vector<Digest> hashes;
+    int64_t tag;
+  };
+  // Complete one of the user's reservations (its slots must equal `slots`) with its first `num_ok`
+  // pages good (0: none). Reservations are applied in the order they were made, whatever the order
+  // they complete in (a lower-tier fetch and a write-through of one user finish on different
+  // threads): a completion behind an unfinished one waits for it. Applying makes the good pages
+  // readable; a short one returns the rest and dooms the user's later reservations (a hole in the
+  // prefix). `out` gets one entry per reservation applied now with good pages (`tag` as completed).
+  void complete(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok, int64_t tag,
+                std::vector<Published>* out);
+  // `complete` for callers that complete in reservation order: returns the first page published;
+  // `published` gets the published pages' hashes (of this and of any waiting completions after it).
   int64_t publish(int32_t ns, int64_t user, const std::vector<int64_t>& slots, int64_t num_ok,
                   std::vector<Digest>* published);
   // Write-through after a commit (the Python manager's offload and the C++ runner's): for each user
@@ -378,6 +392,9 @@ class HostCore {
     std::vector<int64_t> slots;
     std::vector<Digest> hashes;
     bool doomed = false;
+    bool done = false;   // completed, waiting for an older reservation of the user
+    int64_t num_ok = 0;  // (when done)
+    int64_t tag = 0;     // (when done)
   };
   struct Entry {
     Key key;

@@ -149,6 +149,30 @@ void test_host_tier() {
          items[0].pages == std::vector<int64_t>(core.entry(ns, 9).pages->begin(), core.entry(ns, 9).pages->begin() + 2));
   tier.publish(0, 9, items[0].slots, 2, &published);
   EXPECT(tier.reserve_write_through(0, core, ns, {9}, &dropped, nullptr).empty() && tier.check().empty());
+  // Completions in any order, applied in reservation order: the later one waits for the older one.
+  HostCore order(6, P);
+  std::vector<int64_t> older, newer;
+  EXPECT(order.reserve(0, 3, 0, h, 2, &older, &dropped) && order.reserve(0, 3, 2, h + 2, 1, &newer, &dropped));
+  std::vector<HostCore::Published> out;
+  order.complete(0, 3, newer, 1, 5, &out);
+  EXPECT(out.empty() && order.slots_of(0, 3).empty());
+  order.complete(0, 3, older, 2, 4, &out);
+  EXPECT(out.size() == 2 && out[0].first == 0 && out[0].tag == 4 && out[0].slots == older && out[1].first == 2 &&
+         out[1].tag == 5 && out[1].slots == newer && order.slots_of(0, 3).size() == 3 && order.check().empty());
+  // A short older completion dooms a newer one that already completed: its slots go back.
+  EXPECT(order.reserve(0, 4, 0, h, 2, &older, &dropped) && order.reserve(0, 4, 2, h + 2, 1, &newer, &dropped));
+  out.clear();
+  order.complete(0, 4, newer, 1, 0, &out);
+  order.complete(0, 4, older, 1, 0, &out);
+  EXPECT(out.size() == 1 && out[0].slots.size() == 1 && order.slots_of(0, 4).size() == 1 && order.check().empty() &&
+         order.num_free() == 2);
+  threw = false;
+  try {
+    order.complete(0, 4, newer, 1, 0, &out);  // (nothing reserved any more)
+  } catch (const std::logic_error&) {
+    threw = true;
+  }
+  EXPECT(threw);
 }
 
 void test_hashing() {
