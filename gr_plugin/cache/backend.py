@@ -46,6 +46,10 @@ class KVBackend(ABC):
         changed): adapt storage that depends on it (pinning, dtype)."""
         self.bind(config)
 
+    def check_bind(self, config: KVCacheConfig) -> None:
+        """Raise ValueError, changing nothing, if `bind` would refuse ``config``."""
+        return None
+
     @property
     @abstractmethod
     def host_table(self) -> torch.Tensor:
@@ -126,6 +130,11 @@ class KVBackend(ABC):
 
     def cancel(self, task_id: int) -> None:
         """Stop waiting for a task: nothing of it is published (its slots released when it ends)."""
+        return None
+
+    def settle(self, keys: list[Key] | None = None) -> None:
+        """Wait for the read tasks touching ``keys`` (None: every task) to end, then publish or
+        release them: their host reservations are gone (`evict` and `clear` refuse a busy user)."""
         return None
 
     def take_fetched(self, task_id: int) -> dict[Key, tuple[int, list[str]]]:

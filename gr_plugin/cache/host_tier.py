@@ -50,14 +50,17 @@ class HostTier(KVBackend):
         self._slot_gen = array("q")  # per slot: reservations that took it
 
     # ----------------------------------------------------------------- setup
-    def bind(self, config: KVCacheConfig) -> None:
-        self.config = config
-        num_slots = config.num_host_slots
-        if num_slots <= 0:
+    def check_bind(self, config: KVCacheConfig) -> None:
+        if config.num_host_slots <= 0:
             raise ValueError(
                 f"host tier needs host_cache_bytes >= one page ({config.page_bytes} bytes), "
                 f"got {config.host_cache_bytes}"
             )
+
+    def bind(self, config: KVCacheConfig) -> None:
+        self.check_bind(config)
+        self.config = config
+        num_slots = config.num_host_slots
         device = config.torch_device
         pin = self._pin if self._pin is not None else device.type == "cuda"
         shape = (config.num_layers, num_slots, 2, config.page_size, config.num_heads, config.head_dim)

@@ -173,6 +173,7 @@ class KVCacheManager:
         self._ns_ids: dict[str, int] = {}
         self._entries = _Entries(self)
         self._plans: dict[int, BatchPlan] = {}
+        self._epoch = 0  # `rebind`s so far
         self._jobs: deque[_CopyJob] = deque()
         self._stats = KVCacheStats()
         self.set_namespace(config.namespace)
@@ -183,14 +184,15 @@ class KVCacheManager:
         A new device keeps the cached contents; a new dtype clears the device tier and this
         process's lower tiers (values cast to another precision are not what the model would compute
         in it). A shared remote tier keeps its pages for the other processes; here those of the old
-        dtype are misses (each page's header names its dtype) until rewritten. Refused while a step is
-        in flight.
+        dtype stay there for the replicas of that dtype (the lower tiers file pages under the dtype).
+        Refused while a step is in flight, and, changing nothing, when the backend cannot take the new
+        table (e.g. a host tier smaller than one page of the new dtype); waits for lower-tier reads
+        in flight. A lookup made before is looked up again by `allocate`.
         """
         with self._lock:
             if self._plans:
                 raise ValueError(
                     f"{len(self._plans)} steps are in flight; commit or abort them before moving the cache")
-            self._drain()
             if tuple(kv_table.shape) != tuple(self.kv_table.shape):
                 raise ValueError(f"kv_table shape {tuple(kv_table.shape)} != {tuple(self.kv_table.shape)}")
             dtype_names = {v: k for k, v in _config_dtypes().items()}
@@ -200,6 +202,14 @@ class KVCacheManager:
                                           dtype=dtype_names[kv_table.dtype])
             moved = kv_table.device != self.kv_table.device
             recast = kv_table.dtype != self.kv_table.dtype
+            if self.backend is not None and (recast or moved):
+                self.backend.check_bind(new_cfg)  # (e.g. no host slot at the new page size: nothing changed)
+            self._drain()
+            if self.backend is not None and recast:
+                self.backend.settle()  # (a read task's reservation would make the clear refuse, half done)
+            # NOTE: lookups made before this call hold versions of the replaced tiers (a new host core
+            # counts versions from 0 again): `allocate` looks them up again.
+            self._epoch += 1
             self.kv_table = kv_table
             self.config = new_cfg
             self.device = kv_table.device
@@ -274,7 +284,7 @@ class KVCacheManager:
         if not isinstance(request, CacheRequest):
             raise ValueError(f"lookup expects a CacheRequest, got {type(request).__name__}")
         with self._lock:
-            ns = self.namespace
+            ns, epoch = self.namespace, self._epoch
             keys = [(ns, u) for u in request.user_ids]
             names = self.backend.tier_names if self.backend is not None else ()
             dev_tokens, entry_versions = self._device_match(request)
@@ -301,7 +311,7 @@ class KVCacheManager:
         cached = list(dev_tokens)
         for t in names:
             cached = [max(c, x) for c, x in zip(cached, tier_tokens[t])]
-        return LookupResult(request, ns, keys, dev_tokens, tier_tokens, cached, tier_pages, versions, task)
+        return LookupResult(request, ns, keys, dev_tokens, tier_tokens, cached, tier_pages, versions, task, epoch)
 
     # ------------------------------------------------------------------ allocate
     def _count_evicted(self, evicted: Sequence[int]) -> None:
@@ -334,9 +344,9 @@ class KVCacheManager:
         req = lookup.request
         users, totals = req.user_ids, req.history_lengths
         with self._lock:
-            if lookup.namespace != self.namespace:
+            if lookup.namespace != self.namespace or lookup.epoch != self._epoch:
                 if lookup.prefetch_task is not None and self.backend is not None:
-                    self.backend.cancel(lookup.prefetch_task)  # (its pages are of the old namespace)
+                    self.backend.cancel(lookup.prefetch_task)  # (its pages are of the old namespace or tiers)
                 lookup = self.lookup(req)
             keys, backend, core, core_allocate = lookup.keys, self.backend, self._core, self._core_allocate
             fetched = {}
@@ -660,7 +670,14 @@ class KVCacheManager:
         with self._lock:
             users = list(user_ids)
             # raises ValueError (nothing changed) for a user in an in-flight step
-            if self._core.evict_blockers(self._ns_id, users):
+            blocked = self._core.evict_blockers(self._ns_id, users)
+            if all_tiers and self.backend is not None:
+                # NOTE: the host tier refuses to drop a user being read or written (an onboard copy not yet
+                # reaped, a read task of a lookup whose step never came): quiesce them before changing
+                # anything, or some users would be gone from every tier when the call raised.
+                self._drain()
+                self.backend.settle([(self.namespace, u) for u in users])
+            elif blocked:
                 self._drain()
             evicted = self._core.evict(self._ns_id, users)
             self._count_evicted(evicted)
@@ -677,6 +694,8 @@ class KVCacheManager:
             if self._plans:
                 raise ValueError(f"{len(self._plans)} steps are in flight; commit or abort them first")
             self._drain()
+            if all_tiers and self.backend is not None:
+                self.backend.settle()  # (a read task's reservation would make the clear refuse, half done)
             self._count_evicted(self._core.evict_all())
             if all_tiers and self.backend is not None:
                 self.backend.clear(namespace=self.namespace)

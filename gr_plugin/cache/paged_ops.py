@@ -50,6 +50,9 @@ def append_kv(
     With ``rows`` ``[N]``, token ``i`` is row ``rows[i]`` of ``k``/``v`` (a superset of the new tokens).
     """
     if rows is not None:
+        if rows.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= k.shape[0]):
+            # (the C++ op refuses these too; indexing would wrap a negative row around)
+            raise ValueError(f"rows must lie in [0, {k.shape[0]}), got [{int(rows.min())}, {int(rows.max())}]")
         k, v = k[rows], v[rows]
     num_pages, _, page_size, num_heads, head_dim = kv_layer.shape
     flat = kv_layer.view(num_pages * 2 * page_size, num_heads, head_dim)

@@ -39,6 +39,8 @@ class LookupResult:
     versions: list[tuple[int, int]]
     # a lower-tier read launched by this lookup (allocate waits for it)
     prefetch_task: int | None = None
+    # the manager's `rebind` count when looked up (allocate looks up again after a rebind)
+    epoch: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -421,6 +421,19 @@ class TieredBackend(HostTier):
         self._finalize(task)
         return task.state.value
 
+    def settle(self, keys: list[Key] | None = None) -> None:
+        wanted = None if keys is None else set(keys)
+        for task in list(self._tasks.values()):
+            if wanted is not None and wanted.isdisjoint(it.key for it in task.items):
+                continue
+            # NOTE: no timeout: a worker cannot be stopped, and its reservation stays until it ends (each
+            # store call is bounded: Redis by its socket timeout, the SSD by its reads).
+            try:
+                task.future.result()
+            except Exception:  # (cancelled before it ran, or failed: finalize releases its slots)
+                pass
+            self._finalize(task)
+
     def cancel(self, task_id: int) -> None:
         task = self._tasks.get(task_id)
         if task is not None and task.state == TaskState.LAUNCHED:

@@ -41,9 +41,14 @@ def run_step(manager: KVCacheManager, users: list[int], histories: list[torch.Te
     Returns ``(lookup, plan)``; ``plan`` is None when allocate returned None. Asserts that every
     token of every history read back from the pages equals ``expected_kv``.
     """
-    cfg = manager.config
     req = CacheRequest(users, [h.shape[0] for h in histories], torch.cat(histories))
-    lookup = manager.lookup(req)
+    return finish_step(manager, manager.lookup(req), histories, outcome=outcome, check_values=check_values)
+
+
+def finish_step(manager: KVCacheManager, lookup, histories: list[torch.Tensor], *, outcome: str = "commit",
+                check_values: bool = True):
+    """`run_step` from its allocate on, for a ``lookup`` of ``histories`` made earlier."""
+    cfg = manager.config
     plan = manager.allocate(lookup)
     if plan is None:
         return lookup, None

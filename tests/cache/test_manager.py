@@ -5,7 +5,7 @@ import torch
 
 from gr_plugin.cache import CacheRequest, HostTier, KVCacheManager, UserInFlightError
 
-from .helpers import history_tokens, run_step, tiny_config
+from .helpers import finish_step, history_tokens, run_step, tiny_config
 
 
 def make(num_pages=16, host_pages=0, **kw):
@@ -234,6 +234,8 @@ def test_bad_append_raises_and_leaves_pages_untouched():
         m.append(0, good.double(), good, plan)
     with pytest.raises(ValueError, match="layer 5"):
         m.append(5, good, good, plan)
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 2\), got \[-1, 1\]"):  # (it wrapped around)
+        m.append(0, torch.zeros(2, 2, 4), torch.zeros(2, 2, 4), plan, rows=torch.tensor([0, 1, -1, 1, 0])[:n])
     assert torch.equal(m.kv_table, table)
     m.abort(plan)
     with pytest.raises(ValueError, match="not in flight"):
@@ -265,3 +267,81 @@ def test_a_device_table_too_large_to_allocate_names_num_pages():
     with pytest.raises(ValueError, match=r"num_pages=1000000000000 device pages need .* GiB on cpu .*could not be "
                                          r"allocated"):
         KVCacheManager(tiny_config(num_pages=10**12))
+
+
+def test_a_lookup_held_across_a_rebind_is_looked_up_again():
+    """A lookup made before a dtype `rebind` held the old host core's versions; the new core counted
+    from 0 again, so an edited history stored after the rebind reached the same version and `allocate`
+    took the held lookup's host pages: the edited history's K/V served for the original one. Now
+    `allocate` looks such a lookup up again (the step below checks every layer's values)."""
+    m = KVCacheManager(tiny_config(host_cache_bytes=8 * tiny_config().page_bytes), HostTier())
+    run_step(m, [1], [history_tokens(1, 16)])
+    m.offload_flush()
+    m.evict([1])
+    held = m.lookup(CacheRequest([1], [17], history_tokens(1, 17)))
+    assert held.tier_tokens["host"] == [16]
+    m.rebind(m.kv_table.to(torch.bfloat16))
+    run_step(m, [1], [history_tokens(1, 16, edit_at=0)])  # another history of user 1, in the new tiers
+    m.offload_flush()
+    m.evict([1])
+    _, plan = finish_step(m, held, [history_tokens(1, 17)])
+    assert plan.cached_lengths == [0]  # (the host's pages hold the edited history: a miss)
+    m.offload_flush()
+    m.check()
+
+
+def test_a_rebind_the_host_tier_cannot_take_changes_nothing():
+    """A new dtype whose page is larger than the whole host tier: refused before anything changed (it
+    used to empty the device tier and switch the manager's dtype, leaving the host table in the old one,
+    so every later write-through failed)."""
+    page = tiny_config(dtype="bfloat16").page_bytes
+    m = KVCacheManager(tiny_config(dtype="bfloat16", host_cache_bytes=page), HostTier())
+    run_step(m, [1], [history_tokens(1, 6)])
+    m.offload_flush()
+    before, table = m.stats(), m.kv_table
+    with pytest.raises(ValueError, match=f"host_cache_bytes >= one page \\({2 * page} bytes\\), got {page}"):
+        m.rebind(m.kv_table.to(torch.float32))
+    assert m.stats() == before and m.kv_table is table and m.config.dtype == "bfloat16"
+    assert m.backend.host_table.dtype == torch.bfloat16
+    lk, _ = run_step(m, [1], [history_tokens(1, 7)])
+    assert lk.device_tokens == [6]
+    m.offload_flush()
+    m.check()
+
+
+def test_evicting_from_every_tier_waits_for_an_onboard_not_yet_reaped():
+    """An onboard copy that is done but not yet reaped still pins the user's host pages (a CUDA event
+    that has not been queried complete); `evict(all_tiers=True)` dropped the device entry, then the host
+    tier refused the pinned user and the call raised half done. It now reaps first."""
+    from gr_plugin.cache.transfer import CopyHandle, ThreadTransferEngine
+
+    class Lagging(CopyHandle):
+        def __init__(self, inner):
+            self.inner, self.num_layers, self.num_pages = inner, inner.num_layers, inner.num_pages
+
+        def wait_layer(self, layer):
+            self.inner.wait_layer(layer)
+
+        def wait(self):
+            self.inner.wait()
+
+        def done(self):
+            return False  # (until waited for)
+
+        def check(self):
+            self.inner.check()
+
+    class Engine(ThreadTransferEngine):
+        def copy(self, *args):
+            return Lagging(super().copy(*args))
+
+    m = KVCacheManager(tiny_config(host_cache_bytes=8 * tiny_config().page_bytes), HostTier(), transfer=Engine())
+    run_step(m, [1], [history_tokens(1, 8)])
+    m.offload_flush()
+    m.evict([1])
+    run_step(m, [1], [history_tokens(1, 9)])  # onboards 8 tokens from the host tier
+    assert m.stats()["copies_in_flight"] >= 1
+    m.evict([1], all_tiers=True)
+    s = m.stats()
+    assert s["device_users"] == 0 and s["host_users"] == 0 and s["copies_in_flight"] == 0
+    m.check()

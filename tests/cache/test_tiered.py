@@ -586,6 +586,50 @@ def test_a_write_through_that_finishes_before_an_older_fetch_of_the_user_waits_f
     m.close()
 
 
+def _fetch_pending(tmp_path):
+    """User 1's 4 pages on SSD only, users 90 and 91 on the device, and a lookup of user 1 whose read of
+    those pages is held back (its step never comes): the host tier holds a reservation for user 1."""
+    m = make(tmp_path, host_pages=6)
+    run_step(m, [1], [history_tokens(1, 16)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    slow = SlowStore(m.backend._ssd)
+    m.backend._ssd = slow
+    m.lookup(CacheRequest([1], [18], history_tokens(1, 18)))
+    threading.Timer(0.2, slow.release.set).start()
+    return m, slow
+
+
+@pytest.mark.parametrize("call", ["evict", "evict_all", "rebind"])
+def test_an_unfinished_read_task_does_not_leave_a_clear_half_done(tmp_path, call):
+    """`evict(all_tiers=True)`, `evict_all(all_tiers=True)` and a dtype `rebind` while a lookup's read of
+    user 1 is in flight: the host tier refused to drop the busy user after the device tier was already
+    emptied (raised with users half evicted; a retried rebind then did nothing and the next step failed
+    on the old-dtype host table). Now they wait for the read, then drop everything they name."""
+    m, slow = _fetch_pending(tmp_path)
+    if call == "evict":
+        m.evict([90, 1], all_tiers=True)
+        s = m.stats()
+        assert s["device_users"] == 1 and (m.namespace, 1) not in m.backend.lru_order()
+        assert m.backend._ssd.match(m.backend._store_ns((m.namespace, 1)), 1, [0]) == 0
+    elif call == "evict_all":
+        m.evict_all(all_tiers=True)
+        s = m.stats()
+        assert s["device_users"] == 0 and s["host_users"] == 0 and s["ssd_pages_stored"] == 0
+    else:
+        m.rebind(m.kv_table.to(torch.bfloat16))
+        assert m.backend.host_table.dtype == torch.bfloat16 and m.stats()["host_users"] == 0
+    assert m.stats()["tasks_in_flight"] == 0
+    if m.backend._ssd is slow:  # (a rebind built a store for the new page size)
+        m.backend._ssd = slow.inner
+    m.check()
+    _, plan = run_step(m, [1], [history_tokens(1, 18)])  # (values of every layer checked)
+    assert plan.new_lengths == [18]  # (every tier dropped user 1: recomputed)
+    settle(m)
+    m.check()
+    m.close()
+
+
 def test_a_cancelled_task_releases_its_slots(tmp_path):
     m = make(tmp_path, host_pages=6)
     run_step(m, [1], [history_tokens(1, 16)])
