@@ -46,6 +46,9 @@ class CacheRequest:
     - ``tokens``: int64 CPU ``[sum(L)]`` or ``[sum(L), F]``, the histories concatenated in batch
       order; every feature of a row is part of its identity.
     - ``history_offsets``: ``[B+1]`` derived prefix sums.
+
+    ``tokens`` is held, not copied (a contiguous one): the caller must not write into it until the
+    step's `commit` or `abort`, which hashes the new pages from it.
     """
 
     user_ids: list[int]

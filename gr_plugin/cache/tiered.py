@@ -165,12 +165,12 @@ class TieredBackend(HostTier):
                                           ttl_s=self.tiers.remote_ttl_s)
             self._built.add("remote")
 
-    def _store_ns(self, key: Key) -> str:
+    def _store_ns(self, key: Key, dtype: str | None = None) -> str:
         """The namespace the SSD and remote tiers file ``key``'s pages under: the cache's, then the cache
         dtype. Replicas of one model at two precisions sharing a Redis (or, run after run, an SSD
         directory) keep apart instead of overwriting each other's pages (which each would read as misses:
         a page's header names its dtype)."""
-        return f"{key[0]}:{self.config.dtype}"
+        return f"{key[0]}:{dtype or self.config.dtype}"
 
     def _stores(self) -> list[tuple[str, PageStore]]:
         return [(n, s) for n, s in (("ssd", self._ssd), ("remote", self._remote)) if s is not None]
@@ -236,6 +236,7 @@ class TieredBackend(HostTier):
         if interval is None or self._closed:
             return
         P, now, due = self.config.page_size, _now(), []
+        dtype = self.config.dtype  # NOTE: now: a renewal queued before a rebind renews the old dtype's keys
         with self._renew_lock:
             for b, key in enumerate(keys):
                 full = (offsets[b + 1] - offsets[b]) // P
@@ -266,7 +267,7 @@ class TieredBackend(HostTier):
             for key, rows, first, upper, _ in due:
                 hashes = request_page_hashes(rows, 0, upper, P, seed)
                 spans.append((len(page_keys), len(page_keys) + upper - first))
-                page_keys += [PageKey(self._store_ns(key), key[1], i, hashes[i]) for i in range(first, upper)]
+                page_keys += [PageKey(self._store_ns(key, dtype), key[1], i, hashes[i]) for i in range(first, upper)]
             try:
                 done = remote.renew(page_keys)
             except Exception:  # (the store answers None for I/O errors; this is e.g. a store closed meanwhile)
