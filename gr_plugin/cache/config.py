@@ -20,6 +20,22 @@ DTYPES = {  # the dtypes a cache (and a model serving from it) may hold, by name
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+#: the longest cache namespace in utf-8 bytes: a lower tier's page header holds 512, and the tiers
+#: file pages under the namespace and ``:<dtype>`` (at most 9 more)
+MAX_NAMESPACE_BYTES = 500
+
+
+def check_namespace(namespace: object, name: str = "namespace") -> None:
+    """Raise ValueError naming ``name`` unless ``namespace`` is a non-empty str of at most
+    `MAX_NAMESPACE_BYTES` utf-8 bytes."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"{name} must be a non-empty str, got {namespace!r}")
+    size = len(namespace.encode("utf-8"))
+    if size > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"{name} must be at most {MAX_NAMESPACE_BYTES} utf-8 bytes, got {size}: "
+                         f"{namespace[:40]!r}...")
+
+
 @dataclasses.dataclass
 class KVCacheConfig:
     """Shape, capacity and identity of one KV cache.
@@ -54,8 +70,7 @@ class KVCacheConfig:
         hb = self.host_cache_bytes
         if isinstance(hb, bool) or not isinstance(hb, int) or hb < 0:
             raise ValueError(f"KVCacheConfig.host_cache_bytes must be an int >= 0, got {hb!r}")
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ValueError(f"KVCacheConfig.namespace must be a non-empty str, got {self.namespace!r}")
+        check_namespace(self.namespace, "KVCacheConfig.namespace")
 
     @property
     def torch_dtype(self) -> torch.dtype:

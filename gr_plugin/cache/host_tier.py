@@ -50,23 +50,39 @@ class HostTier(KVBackend):
         self._slot_gen = array("q")  # per slot: reservations that took it
 
     # ----------------------------------------------------------------- setup
-    def check_bind(self, config: KVCacheConfig) -> None:
+    def _storage_fits(self, config: KVCacheConfig) -> bool:
+        """The host table can stay as it is for ``config`` (shape, dtype, pinning, meta or not)."""
+        device, old = config.torch_device, self._table
+        pin = self._pin if self._pin is not None else device.type == "cuda"
+        shape = (config.num_layers, config.num_host_slots, 2, config.page_size, config.num_heads, config.head_dim)
+        return old is not None and old.shape == shape and old.dtype == config.torch_dtype and (
+            old.is_pinned() or not pin) and (old.device.type == "meta") == (device.type == "meta")
+
+    @staticmethod
+    def _check_slots(config: KVCacheConfig) -> None:
         if config.num_host_slots <= 0:
             raise ValueError(
                 f"host tier needs host_cache_bytes >= one page ({config.page_bytes} bytes), "
                 f"got {config.host_cache_bytes}"
             )
 
+    def check_bind(self, config: KVCacheConfig) -> None:
+        self._check_slots(config)
+        old = getattr(self, "config", None)
+        if old is not None and config.dtype == old.dtype and not self._storage_fits(config) \
+                and self._core is not None and self._core.num_users():
+            # (a new dtype empties the tier first: `KVCacheManager.rebind`)
+            raise ValueError(f"the host tier needs new storage for device {config.device!r} (pinned or not, "
+                             "meta or not), which it can only take while empty: evict_all(all_tiers=True) first")
+
     def bind(self, config: KVCacheConfig) -> None:
-        self.check_bind(config)
+        self._check_slots(config)
         self.config = config
         num_slots = config.num_host_slots
         device = config.torch_device
         pin = self._pin if self._pin is not None else device.type == "cuda"
         shape = (config.num_layers, num_slots, 2, config.page_size, config.num_heads, config.head_dim)
-        old = self._table
-        if old is not None and old.shape == shape and old.dtype == config.torch_dtype and (
-                old.is_pinned() or not pin) and (old.device.type == "meta") == (device.type == "meta"):
+        if self._storage_fits(config):
             return  # storage fits as it is: keep what it holds
         if self._core is not None and self._core.num_users():
             raise ValueError("host tier storage can only be replaced while it is empty")

@@ -37,7 +37,7 @@ import torch
 
 from gr_plugin.cache import paged_ops
 from gr_plugin.cache.backend import KVBackend, TierReadError
-from gr_plugin.cache.config import KVCacheConfig
+from gr_plugin.cache.config import KVCacheConfig, check_namespace
 from gr_plugin.cache.hashing import as_int64, from_pairs, namespace_seed, page_digests, prefix_hash, to_pairs
 from gr_plugin.cache.metadata import metadata_from_host
 from gr_plugin.cache.page_pool import PagePool, load_core
@@ -226,8 +226,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ identity
     def set_namespace(self, namespace: str) -> None:
         """Switch the model/version salt: entries of other namespaces are never matched again."""
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+        check_namespace(namespace)
         with self._lock:
             self.namespace = namespace
             self._seed = namespace_seed(namespace)

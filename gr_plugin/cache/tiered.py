@@ -109,6 +109,7 @@ class TieredBackend(HostTier):
         self._tasks: dict[int, FetchTask] = {}
         self._fetching: dict[Key, int] = {}
         self._fetched: collections.OrderedDict[int, dict[Key, tuple[int, list[str]]]] = collections.OrderedDict()
+        self._ended: collections.OrderedDict[int, TaskState] = collections.OrderedDict()  # finished, not ready
         self._writes: list[tuple[Key, Future]] = []  # write-downs in flight, per user
         self._write_lock = threading.Lock()
         self._task_ids = itertools.count(1)
@@ -136,14 +137,22 @@ class TieredBackend(HostTier):
         return self.tiers.fail_open
 
     # ----------------------------------------------------------------- setup
+    def check_bind(self, config: KVCacheConfig) -> None:
+        super().check_bind(config)
+        if config.torch_device.type != "meta" and self.tiers.ssd_cache_gb > 0 and (
+                self._ssd is None or ("ssd" in self._built and self._ssd.page_bytes != config.page_bytes)):
+            from gr_plugin.cache.tiers.ssd import slot_count
+
+            slot_count(self.tiers.ssd_cache_bytes, config.page_bytes)
+
     def bind(self, config: KVCacheConfig) -> None:
         super().bind(config)
         if config.torch_device.type == "meta":
             return
         # NOTE: a new dtype (`KVCacheManager.rebind`, after `clear`) changes the page size: the stores
         # this backend built are rebuilt for it (an SSD store was emptied by the clear; the remote
-        # tier's pages of the old dtype stay, for other processes, and are misses here: their header
-        # names their dtype and size). A store passed in is the caller's to match.
+        # tier's pages of the old dtype stay, for the other dtype's replicas, and are never found here:
+        # they are filed under their dtype). A store passed in is the caller's to match.
         for name in sorted(self._built):
             store = getattr(self, f"_{name}")
             if store is not None and store.page_bytes != config.page_bytes:
@@ -376,6 +385,12 @@ class TieredBackend(HostTier):
             c["fetch_pages_failed"] += len(it.sources) - good
             self.publish(it.key, it.slots, good > 0, good, from_lower_tier=True)
         del self._tasks[task.task_id]
+        if task.state != TaskState.READY:
+            # NOTE: a task finished here (a `poll` or `settle` for another user) before its lookup's
+            # `allocate` waits: `wait` still answers its state, so fail_open=False still raises.
+            self._ended[task.task_id] = task.state
+            while len(self._ended) > _FETCHED_KEPT:
+                self._ended.popitem(last=False)
         if task.state == TaskState.READY:
             self._fetched[task.task_id] = {it.key: (it.first_page, it.sources[: it.ok_pages]) for it in task.items}
             while len(self._fetched) > _FETCHED_KEPT:  # (tasks whose step never asked)
@@ -400,7 +415,7 @@ class TieredBackend(HostTier):
         """The task's state, finishing it if its worker is done; never blocks."""
         task = self._tasks.get(task_id)
         if task is None:
-            return TaskState.READY
+            return self._ended.get(task_id, TaskState.READY)
         if task.future.done():
             self._finalize(task)
         return task.state
@@ -409,7 +424,7 @@ class TieredBackend(HostTier):
         """Finish a task within ``timeout`` (default ``task_timeout_s``); returns its state."""
         task = self._tasks.get(task_id)
         if task is None:
-            return TaskState.READY.value
+            return self._ended.pop(task_id, TaskState.READY).value
         timeout = self.tiers.task_timeout_s if timeout is None else timeout
         try:
             task.future.result(timeout=timeout)

@@ -345,3 +345,32 @@ def test_evicting_from_every_tier_waits_for_an_onboard_not_yet_reaped():
     s = m.stats()
     assert s["device_users"] == 0 and s["host_users"] == 0 and s["copies_in_flight"] == 0
     m.check()
+
+
+def test_a_move_the_host_tier_cannot_take_while_holding_users_changes_nothing():
+    """A move whose host storage must be replaced (here to the meta device; CPU -> CUDA needs pinned
+    memory the same way) while the host tier holds users: refused before anything changed (the manager
+    used to take the new device and table, then the host tier raised)."""
+    m = KVCacheManager(tiny_config(host_cache_bytes=8 * tiny_config().page_bytes), HostTier())
+    run_step(m, [1], [history_tokens(1, 8)])
+    m.offload_flush()
+    table, transfer = m.kv_table, m.transfer
+    with pytest.raises(ValueError, match="new storage for device 'meta'.*evict_all"):
+        m.rebind(m.kv_table.to("meta"))
+    assert m.kv_table is table and m.transfer is transfer and m.device == torch.device("cpu")
+    assert m.config.device == "cpu" and m.stats()["host_users"] == 1
+    lk, _ = run_step(m, [1], [history_tokens(1, 9)])
+    assert lk.device_tokens == [8]
+    m.check()
+
+
+def test_a_namespace_too_long_for_a_page_header_is_refused():
+    """The lower tiers file pages under the namespace and ``:<dtype>``, in a header of at most 512 bytes:
+    a namespace over 500 bytes is refused up front, not at the first write-down."""
+    with pytest.raises(ValueError, match="KVCacheConfig.namespace must be at most 500 utf-8 bytes, got 501"):
+        tiny_config(namespace="n" * 501)
+    m = make()
+    with pytest.raises(ValueError, match="namespace must be at most 500 utf-8 bytes, got 502"):
+        m.set_namespace("ü" * 251)
+    assert m.namespace == "test"
+    m.set_namespace("n" * 500)

@@ -630,6 +630,65 @@ def test_an_unfinished_read_task_does_not_leave_a_clear_half_done(tmp_path, call
     m.close()
 
 
+class BrokenStore:
+    """The real SSD store whose reads fail."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_many(self, keys, out, **kw):
+        raise OSError("disk gone")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("between", ["offload_try_wait", "evict_other_user"])
+def test_a_failed_read_finished_by_another_call_still_fails_a_fail_closed_allocate(tmp_path, between):
+    """With fail_open=False, a lookup's read task that failed and was finished by another call before
+    the lookup's `allocate` (a poll, or an evict's settle) answered "ready" to that allocate, which then
+    recomputed the users instead of raising `TierReadError`."""
+    m = make(tmp_path, host_pages=6, fail_open=False)
+    run_step(m, [1, 2], [history_tokens(1, 8), history_tokens(2, 8)])
+    settle(m)
+    _push_out_of_host(m, 1)
+    m.evict([2])
+    m.backend._ssd = BrokenStore(m.backend._ssd)
+    lk = m.lookup(CacheRequest([1, 2], [9, 9], torch.cat([history_tokens(1, 9), history_tokens(2, 9)])))
+    assert lk.tier_tokens["ssd"] == [8, 8]
+    deadline = time.time() + 5
+    while m.stats()["tasks_in_flight"] and time.time() < deadline:
+        m.offload_try_wait() if between == "offload_try_wait" else m.evict([2], all_tiers=True)
+        time.sleep(0.01)
+    assert m.stats()["tasks_failed"] == 1
+    with pytest.raises(TierReadError, match="ended 'failed'"):
+        m.allocate(lk)
+    m.backend._ssd = m.backend._ssd.inner
+    m.check()
+    m.close()
+
+
+def test_a_rebind_a_lower_tier_cannot_take_changes_nothing(tmp_path):
+    """A new dtype whose page no longer fits the SSD tier: refused before anything changed (it emptied
+    every tier, switched the manager's dtype, then raised, leaving no SSD store behind)."""
+    page = tiny_config(dtype="bfloat16", head_dim=40).page_bytes  # (2560 bytes: one 4 KiB SSD slot, 8 KiB in fp32)
+    tiers = TierConfig(cpu_cache_gb=8 * page / 2**30, ssd_cache_gb=4096 / 2**30, ssd_cache_dir=str(tmp_path / "ssd"))
+    m = KVCacheManager(tiny_config(dtype="bfloat16", head_dim=40, host_cache_bytes=8 * page), TieredBackend(tiers))
+    run_step(m, [1], [history_tokens(1, 8)])
+    settle(m)
+    ssd, before = m.backend._ssd, m.stats()
+    with pytest.raises(ValueError, match="capacity_bytes=4096 holds no slot of 8192 bytes"):
+        m.rebind(m.kv_table.to(torch.float32))
+    assert m.backend._ssd is ssd and m.config.dtype == "bfloat16" and m.kv_table.dtype == torch.bfloat16
+    assert {k: v for k, v in m.stats().items() if "latency" not in k} == {
+        k: v for k, v in before.items() if "latency" not in k}
+    lk, _ = run_step(m, [1], [history_tokens(1, 9)])
+    assert lk.device_tokens == [8]
+    settle(m)
+    m.check()
+    m.close()
+
+
 def test_a_cancelled_task_releases_its_slots(tmp_path):
     m = make(tmp_path, host_pages=6)
     run_step(m, [1], [history_tokens(1, 16)])

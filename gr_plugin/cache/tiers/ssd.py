@@ -68,6 +68,16 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def slot_count(capacity_bytes: int, page_bytes: int) -> int:
+    """Slots of pages of ``page_bytes`` (each with its header, aligned) that ``capacity_bytes`` holds;
+    raises ValueError when none."""
+    slot_bytes = _round_up(page_bytes + MAX_HEADER_BYTES, ALIGN)
+    if capacity_bytes // slot_bytes == 0:
+        raise ValueError(f"SSDPageStore.capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes "
+                         f"(page_bytes={page_bytes} + header)")
+    return capacity_bytes // slot_bytes
+
+
 @dataclasses.dataclass
 class _Run:
     """Adjacent slots of one slab, moved by one syscall: ``items`` are (key position, slot, row address)."""
@@ -111,12 +121,7 @@ class SSDPageStore(PageStore):
             raise ValueError(f"SSDPageStore.dir must be a path, got {dir!r}")
         self.page_bytes = page_bytes
         self.slot_bytes = _round_up(page_bytes + MAX_HEADER_BYTES, ALIGN)
-        self.num_slots = capacity_bytes // self.slot_bytes
-        if self.num_slots == 0:
-            raise ValueError(
-                f"SSDPageStore.capacity_bytes={capacity_bytes} holds no slot of {self.slot_bytes} bytes "
-                f"(page_bytes={page_bytes} + header)"
-            )
+        self.num_slots = slot_count(capacity_bytes, page_bytes)
         if slab_bytes < self.slot_bytes:
             raise ValueError(f"SSDPageStore.slab_bytes={slab_bytes} is smaller than one slot ({self.slot_bytes})")
         self.slots_per_slab = slab_bytes // self.slot_bytes
