@@ -355,7 +355,7 @@ def test_a_move_the_host_tier_cannot_take_while_holding_users_changes_nothing():
     run_step(m, [1], [history_tokens(1, 8)])
     m.offload_flush()
     table, transfer = m.kv_table, m.transfer
-    with pytest.raises(ValueError, match="new storage for device 'meta'.*evict_all"):
+    with pytest.raises(ValueError, match=r"new storage for device 'meta'.*evict_all"):
         m.rebind(m.kv_table.to("meta"))
     assert m.kv_table is table and m.transfer is transfer and m.device == torch.device("cpu")
     assert m.config.device == "cpu" and m.stats()["host_users"] == 1
@@ -367,7 +367,7 @@ def test_a_move_the_host_tier_cannot_take_while_holding_users_changes_nothing():
 def test_a_namespace_too_long_for_a_page_header_is_refused():
     """The lower tiers file pages under the namespace and ``:<dtype>``, in a header of at most 512 bytes:
     a namespace over 500 bytes is refused up front, not at the first write-down."""
-    with pytest.raises(ValueError, match="KVCacheConfig.namespace must be at most 500 utf-8 bytes, got 501"):
+    with pytest.raises(ValueError, match=r"KVCacheConfig\.namespace must be at most 500 utf-8 bytes, got 501"):
         tiny_config(namespace="n" * 501)
     m = make()
     with pytest.raises(ValueError, match="namespace must be at most 500 utf-8 bytes, got 502"):
