@@ -1,7 +1,8 @@
 """Logging of error bursts: one warning when a run of failures starts, one line when it ends.
 
-Owns `BurstLog`. A tier that loses its disk or its server fails every page of every call; logging
-each would flood the log and slow the failing path. This module does not count errors for stats
+Owns `BurstLog` and `ThrottledLog`. A tier that loses its disk or its server fails every page of
+every call, and a store holding many damaged values fails verification at every read; logging each
+would flood the log and slow the failing path. This module does not count errors for stats
 (the stores do).
 """
 
@@ -50,3 +51,32 @@ class BurstLog:
             count, self._failures = self._failures, 0
         if count:
             self._logger.info("%s working again after %d errors", self._what, count)
+
+
+class ThrottledLog:
+    """``warn(n, detail)`` reports ``n`` values that failed verification: the first at once, then at
+    most one line every ``every_s`` seconds with how many failed since the last line."""
+
+    def __init__(self, logger: logging.Logger, what: str, every_s: float = 30.0) -> None:
+        self._logger = logger
+        self._what = what
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._last_log: float | None = None
+
+    def warn(self, n: int, detail: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._pending += n
+            if self._last_log is not None and now - self._last_log < self._every_s:
+                return
+            count, self._pending, first = self._pending, 0, self._last_log is None
+            self._last_log = now
+        if first:
+            self._logger.warning("%s: %d value(s) failed verification (read as misses); first %s", self._what,
+                                 count, detail)
+        else:
+            self._logger.warning("%s: %d more value(s) failed verification (read as misses) since the last "
+                                 "report; e.g. %s (reported at most every %.0f s)", self._what, count, detail,
+                                 self._every_s)

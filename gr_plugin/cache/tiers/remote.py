@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import torch
 
-from gr_plugin.cache.tiers.burst_log import BurstLog
+from gr_plugin.cache.tiers.burst_log import BurstLog, ThrottledLog
 from gr_plugin.cache.tiers.flexkv_config import MAX_TTL_S, redact
 from gr_plugin.cache.tiers.page_format import (
     FIXED_BYTES,
@@ -127,6 +127,7 @@ class RedisPageStore(PageStore):
         self._last_error = "an error"  # (the last failure: what a strict match backing off names)
         self._lock = threading.Lock()
         self._errors = BurstLog(logger, f"Redis page store {self._safe_url()}")
+        self._corrupt_log = ThrottledLog(logger, f"Redis page store {self._safe_url()}")
         self._counters: dict[str, float] = dict.fromkeys(
             ("hits", "misses", "pages_written", "put_failed", "corruptions", "errors", "skipped_while_down",
              "bytes_read", "bytes_written", "round_trips", "in_flight", "pages_renewed", "renew_failed"), 0)
@@ -308,8 +309,7 @@ class RedisPageStore(PageStore):
             else:
                 self._errors.success()
         if corrupt:
-            logger.warning("Redis page store: %d value(s) failed verification; first %s: %s",
-                           len(corrupt), corrupt[0][0], corrupt[0][1])
+            self._corrupt_log.warn(len(corrupt), f"{corrupt[0][0]}: {corrupt[0][1]}")
         hits = sum(results)
         self._count(hits=hits, misses=len(keys) - hits, corruptions=len(corrupt), bytes_read=nbytes,
                     get_latency_s=time.perf_counter() - start)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from gr_plugin.cache.tiers.burst_log import BurstLog
+from gr_plugin.cache.tiers.burst_log import BurstLog, ThrottledLog
 from gr_plugin.cache.tiers.page_format import (
     MAX_HEADER_BYTES,
     byte_view,
@@ -143,6 +143,7 @@ class SSDPageStore(PageStore):
         self._tls = threading.local()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="gr-ssd-io")
         self._errors = BurstLog(logger, f"SSD page store {self.dir}")
+        self._corrupt_log = ThrottledLog(logger, f"SSD page store {self.dir}")
         self._counters: dict[str, float] = dict.fromkeys(
             ("hits", "misses", "pages_written", "put_rejected", "corruptions", "io_errors", "bytes_read",
              "bytes_written", "read_syscalls", "write_syscalls", "get_calls", "put_calls", "queued", "in_flight"), 0)
@@ -440,8 +441,7 @@ class SSDPageStore(PageStore):
                         self._index.unpin(*f)
         corrupt = [b for b in bad if b[1] != _IO_ERROR]
         if corrupt:
-            logger.warning("SSD page store %s: %d page(s) failed verification and were dropped; first %s: %s",
-                           self.dir, len(corrupt), corrupt[0][0], corrupt[0][1])
+            self._corrupt_log.warn(len(corrupt), f"{corrupt[0][0]}: {corrupt[0][1]} (dropped)")
         elif verdicts:
             self._errors.success()
         hits = sum(results)

@@ -64,6 +64,21 @@ def test_match_counts_the_leading_present_pages(store):
     assert store.match("ns", 1, []) == 0
 
 
+def test_values_failing_verification_at_every_read_are_logged_once_per_interval(store, client, caplog):
+    """A server holding damaged values fails verification at every read of them: one warning, then
+    at most one more per 30 s with the count (a UAT run printed one line per batch)."""
+    keys = user_keys(1, 2)
+    store.put_many(keys, random_pages(2))
+    client.set(store.key_name(keys[0]), b"not a page")
+    out = torch.empty_like(random_pages(2))
+    with caplog.at_level("WARNING", logger="gr_plugin.cache.tiers.remote"):
+        for _ in range(20):
+            assert store.get_many(keys, out) == [False, True]
+    lines = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
+    assert len(lines) == 1 and "1 value(s) failed verification (read as misses); first" in lines[0]
+    assert store.stats()["corruptions"] == 20
+
+
 def test_tampered_values_miss_and_are_counted(store, client):
     keys = user_keys(1, 3)
     pages = random_pages(3)
