@@ -36,6 +36,7 @@ import dataclasses
 import gc
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gr_plugin.cache import KVCacheConfig
-from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
+from gr_plugin.cache.config import DTYPE_NAMES, DTYPES, check_namespace
 from gr_plugin.cache.hashing import module_namespace
 from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, redact
 from gr_plugin.inference import RankingEngine
@@ -58,6 +59,25 @@ _STAGES = ("validate", "test", "predict")
 _LOGGED = ("hit_rate", "tokens_reused", "tokens_reused_host", "tokens_reused_ssd", "tokens_reused_remote",
            "tokens_computed", "onboard_bytes", "offload_bytes", "evicted_users", "fallbacks", "ssd_pages_fetched",
            "remote_pages_fetched", "tasks_launched", "tasks_timed_out", "tasks_failed")
+
+
+def _check_ssd_dirs(tiers: TierConfig) -> None:
+    """An SSD directory given without a size is ignored (warned); one that cannot be created or
+    written is refused now, not at the first batch."""
+    if tiers.ssd_cache_gb == 0:
+        if tiers.ssd_cache_dirs:
+            warnings.warn(f"KVCacheCallback tiers.ssd_cache_dir={tiers.ssd_cache_dir!r} is not used: "
+                          "tiers.ssd_cache_gb is 0, so there is no SSD tier (give ssd_cache_gb > 0 to have one)",
+                          UserWarning, stacklevel=3)
+        return
+    for d in tiers.ssd_cache_dirs:
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"KVCacheCallback tiers.ssd_cache_dir={d!r} cannot be created: "
+                             f"{exc.strerror or exc}") from exc
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(f"KVCacheCallback tiers.ssd_cache_dir={d!r} is not writable by this process")
 
 
 class KVCacheCallback(Callback):
@@ -114,12 +134,12 @@ class KVCacheCallback(Callback):
                 raise ValueError(f"KVCacheCallback host_cache_gb={host_cache_gb!r} disagrees with "
                                  f"tiers.cpu_cache_gb={tiers.cpu_cache_gb!r} (the host tier's size: give one)")
             host_cache_gb = tiers.cpu_cache_gb
+            _check_ssd_dirs(tiers)
         elif host_cache_gb is None:
             host_cache_gb = 0.25
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"KVCacheCallback dtype must be None or one of {sorted(DTYPES)}, got {dtype!r}")
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"KVCacheCallback namespace must be a non-empty str, got {namespace!r}")
+        check_namespace(namespace, "KVCacheCallback namespace")
         self.backend, self.page_size, self.num_pages = backend, page_size, num_pages
         self.host_cache_gb, self.dtype, self.namespace = host_cache_gb, dtype, namespace
         self.write_through, self.stages, self.tiers = write_through, tuple(stages), tiers

@@ -441,6 +441,17 @@ def test_one_stage_may_be_given_by_name():
     assert KVCacheCallback(stages="predict").stages == ("predict",)
 
 
+def test_an_ssd_directory_is_checked_at_construction_and_one_without_a_size_is_warned_about(tmp_path):
+    """``tiers={"ssd_cache_dir": ...}`` without ``ssd_cache_gb`` (0: no SSD tier) was silently ignored; a
+    directory that cannot be created failed only at the first batch (UAT)."""
+    with pytest.warns(UserWarning, match=r"tiers\.ssd_cache_dir='/proc/x' is not used: tiers\.ssd_cache_gb is 0"):
+        KVCacheCallback("flexkv", tiers={"ssd_cache_dir": "/proc/x"})
+    with pytest.raises(ValueError, match=r"tiers\.ssd_cache_dir='/proc/x' cannot be created"):
+        KVCacheCallback("flexkv", tiers={"ssd_cache_dir": "/proc/x", "ssd_cache_gb": 0.1})
+    KVCacheCallback("flexkv", tiers={"ssd_cache_dir": str(tmp_path / "ssd"), "ssd_cache_gb": 0.1})
+    assert (tmp_path / "ssd").is_dir()
+
+
 def test_tiers_may_be_a_mapping_or_a_yaml_file_and_set_the_host_size(tmp_path):
     """``tiers`` as a mapping or a FlexKV tier YAML file's path is read as `load_tier_config` reads it
     (a mapping used to fail at the first batch: ``'dict' object has no attribute 'write_policy'``), and
