@@ -6,7 +6,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
+import gr_plugin.configs.schema
 import gr_plugin.configs.serve  # noqa: F401
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
