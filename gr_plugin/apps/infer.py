@@ -14,6 +14,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -49,12 +50,16 @@ STAGES = tuple(_LOADERS)
 
 
 def check_options(cfg: InferConfig) -> None:
-    """Refuse a bad ``stage``, ``max_batches`` or ``kvcache`` value before any expensive work."""
+    """Refuse a bad ``stage``, ``max_batches``, ``tolerance`` or ``kvcache`` value before any expensive work."""
     check_cache_options(cfg.kvcache, cfg.model, cfg.dtype)
     if cfg.stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {cfg.stage!r}")
     if cfg.max_batches is not None and cfg.max_batches < 1:
         raise ValueError(f"max_batches must be a positive int or null (every batch), got {cfg.max_batches!r}")
+    # NOTE: a negative or nan tolerance failed every batch, after the whole run; inf passed anything
+    if not (math.isfinite(cfg.tolerance) and cfg.tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0 (the largest max abs diff allowed between the "
+                         f"cached and the recomputed scores), got {cfg.tolerance!r}")
 
 
 def _load_or_train(cfg: WeightsConfig) -> tuple[HSTURankingModule, str]:

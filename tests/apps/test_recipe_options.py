@@ -33,6 +33,10 @@ TINY_SYNTHETIC = ["model=hstu_tiny", "model.num_items=60", "model.max_positions=
     (dict(stage="valid"), r"stage must be one of \['predict', 'test', 'val'\], got 'valid'"),
     (dict(max_batches=0), r"max_batches must be a positive int or null \(every batch\), got 0"),
     (dict(max_batches=-2), r"max_batches .* got -2"),
+    # (a negative or nan tolerance failed every batch after the whole run; inf turned the check off)
+    (dict(tolerance=-1.0), r"tolerance must be a finite number >= 0 .*, got -1\.0"),
+    (dict(tolerance=float("nan")), r"tolerance must be a finite number >= 0 .*, got nan"),
+    (dict(tolerance=float("inf")), r"tolerance must be a finite number >= 0 .*, got inf"),
 ])
 def test_bad_run_options_fail_before_any_work(tmp_path, monkeypatch, overrides, error):
     def no_work(*args, **kwargs):
