@@ -144,15 +144,24 @@ class Fetcher:
 def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_len: int = 4096, stride: int = 128,
         num_candidates: int = 256, hidden: int = 1024, layers: int = 8, heads: int = 4, head_dim: int = 128,
         page_size: int = 128, warmup_batches: int = 2, interleave_users: int | None = None,
-        warm_pass: bool = True, pipelined: bool = True, pipelined_rounds: int = 3) -> list[dict[str, Any]]:
+        warm_pass: bool = True, pipelined: bool = True, pipelined_rounds: int = 3,
+        device: str = "cuda") -> list[dict[str, Any]]:
     """One row per batch size. ``warm_pass``: first run the same stream for other users through
     every engine (Triton compiles each kernel variant and the graph engine captures its buckets
     there, once per process, as a server's warm-up would), then empty the caches. ``pipelined``:
     also each engine's throughput with one step in flight (`_pipelined`), the caches emptied
-    before each engine's pass, the median of ``pipelined_rounds`` passes per engine."""
+    before each engine's pass, the median of ``pipelined_rounds`` passes per engine. ``device``:
+    ``cuda`` (the suite; refused at once where there is no CUDA device) or ``cpu``, which only
+    small shapes (the tests') finish on: the default model at the default histories ran for minutes
+    without a row on a CPU."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"e2e.device must be cuda or cpu, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("suite=e2e needs a CUDA device (e2e.device=cpu runs it on the CPU, for small shapes "
+                         "only: the default model and histories take far too long there)")
     if type(pipelined_rounds) is not int or pipelined_rounds < 1:
         raise ValueError(f"pipelined_rounds must be an int >= 1, got {pipelined_rounds!r}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = stream_model(device, hidden, layers, heads, head_dim)

@@ -26,7 +26,7 @@ def test_stream_rejects_a_range_that_is_not_a_multiple_of_stride():
 
 def test_cached_engines_equal_full_recompute_on_cpu():
     (row,) = e2e.run(batch_sizes=(2,), num_users=3, min_len=32, max_len=96, stride=32, num_candidates=8, hidden=32,
-                     layers=2, heads=2, head_dim=16, page_size=16)
+                     layers=2, heads=2, head_dim=16, page_size=16, device="cpu")
     assert row["requests"] == 5 and row["batches"] == 6
     assert row["hit_rate"] > 0.3
     assert row["max_abs_diff"] < 1e-5
@@ -50,9 +50,24 @@ def test_pipelined_counts_the_time_blocked_on_the_step_before(monkeypatch):
     assert waited >= 5 * 0.02 and seconds - waited >= 5 * 0.005
 
 
+def test_without_cuda_the_suite_fails_at_once(monkeypatch):
+    """The suite is a GPU one (README); with no CUDA it used to fall back to the CPU at the default
+    shapes and run for minutes without a line of output (UAT): now it is refused before any work."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_work(*a, **k):
+        raise AssertionError("built the stream before refusing")
+
+    monkeypatch.setattr(e2e, "stream", no_work)
+    with pytest.raises(ValueError, match="suite=e2e needs a CUDA device"):
+        e2e.run(batch_sizes=(1,), num_users=4)
+    with pytest.raises(ValueError, match=r"e2e\.device must be cuda or cpu"):
+        e2e.run(batch_sizes=(1,), num_users=4, device="gpu")
+
+
 def test_pipelined_rounds_must_be_a_positive_int():
     with pytest.raises(ValueError, match="pipelined_rounds must be an int >= 1, got 0"):
-        e2e.run(batch_sizes=(2,), num_users=3, min_len=32, max_len=96, stride=32, pipelined_rounds=0)
+        e2e.run(batch_sizes=(2,), num_users=3, min_len=32, max_len=96, stride=32, pipelined_rounds=0, device="cpu")
 
 
 def test_worst_diff_keeps_a_nan():
