@@ -36,7 +36,6 @@ from gr_plugin.apps.common import (
     make_datamodule,
     model_dtype,
     pick_device,
-    resolve_backend,
 )
 from gr_plugin.cache.tiers.flexkv_config import redact
 from gr_plugin.configs.schema import InferConfig, TrainConfig, WeightsConfig
@@ -126,7 +125,8 @@ def run(cfg: InferConfig, out_dir: Path, columns: dict[str, Any] | None = None) 
     model = model.to(dtype)
     cache = make_cache(cfg.kvcache, cfg.model, device, dtype) if cfg.kvcache is not None else None
     try:  # (closed at the end: a sweep's next job in this process opens the same SSD directory)
-        engine_name = "none" if cache is None else resolve_backend(cfg.kvcache)
+        # (make_cache resolved the backend and warned about options it ignores; once is enough)
+        engine_name = "none" if cache is None else cfg.kvcache.backend
         dm.setup(cfg.stage)
         loader = getattr(dm, _LOADERS[cfg.stage])()
         # NOTE: on CUDA both passes replay CUDA graphs per shape bucket (``kvcache.cuda_graphs``): timed

@@ -128,3 +128,20 @@ def test_multirun_sweep_writes_one_row_per_run(tmp_path):
     assert {(r["kvcache.page_size"], r["data.batch_size"]) for r in rows} == {("4", "2"), ("4", "4"), ("8", "2"),
                                                                               ("8", "4")}
     assert all(r["page_size"] == r["kvcache.page_size"] and r["equivalence"] == "PASS" for r in rows)
+
+
+def test_a_cache_option_warning_is_given_once(tmp_path):
+    """``+kvcache=native kvcache.tiers.enable_3rd_remote=true`` printed its UserWarning twice: building the
+    cache and naming its engine both resolved the backend."""
+    import warnings
+
+    from gr_plugin.cache.tiers import TierConfig
+
+    opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002,
+                          tiers=TierConfig(enable_3rd_remote=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = infer.run(tiny_cfg(tmp_path, opts, max_batches=2), tmp_path / "out")
+    assert summary["kvcache"] == "native"
+    assert [str(w.message) for w in caught if "backend 'native' ignores them" in str(w.message)] != []
+    assert len([w for w in caught if "backend 'native' ignores them" in str(w.message)]) == 1
