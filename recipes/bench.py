@@ -39,6 +39,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"unknown suite {cfg.suite!r}; choose one of {sorted(SUITES)}")
     fn, columns, title = SUITES[cfg.suite]
     kwargs = OmegaConf.to_container(cfg.get(cfg.suite, {}), resolve=True)
+    common.check_options(cfg.suite, kwargs)
     rows = fn(**kwargs)
     table = common.write_results(cfg.suite, rows, columns, Path(to_absolute_path(cfg.out_dir)), title)
     print(table)

@@ -24,6 +24,78 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+# Each suite's counts and sizes and the least each may be: ``(least, "int")`` for one, ``(least, "ints")``
+# for a non-empty list of them, a dict for a dict of options (block's per-part kwargs). Options not
+# named here are the suite's own to check (names, paths, URLs, flags).
+# (the e2e stream, which step_host takes too, labels up to 8 next events among the candidates: 8 at least)
+_STREAM = {"batch_sizes": (1, "ints"), "num_users": (1, "int"), "min_len": (1, "int"), "max_len": (1, "int"),
+           "stride": (1, "int"), "num_candidates": (8, "int"), "hidden": (1, "int"), "layers": (1, "int"),
+           "heads": (1, "int"), "head_dim": (1, "int"), "page_size": (1, "int")}
+OPTION_RULES: dict[str, dict[str, Any]] = {
+    "host_overhead": {"batch_sizes": (1, "ints"), "history_lens": (1, "ints"), "page_size": (1, "int"),
+                      "new_tokens": (1, "int"), "repeats": (1, "int")},
+    "step_host": {"batch_sizes": (1, "ints"), "history_lens": (1, "ints"), "new_tokens": (1, "int"),
+                  "num_candidates": (8, "int"), "page_size": (1, "int"), "repeats": (1, "int")},
+    # (soak draws 1 to 3/2 page_size - 1 new events a request: a page of one event draws from nothing)
+    "soak": {"num_requests": (1, "int"), "num_users": (1, "int"), "max_history": (1, "int"),
+             "page_size": (2, "int"), "num_pages": (1, "int"), "host_pages": (1, "int"), "ssd_pages": (0, "int"),
+             "verify_every": (1, "int"), "checkpoints": (1, "int")},
+    "tiers": {"ssd_total_mb": (1, "int")},
+    "block": {"block_kwargs": {"head_dims": (1, "ints"), "batch_sizes": (1, "ints"), "candidates": (1, "int"),
+                               "repeats": (1, "int")},
+              "transfer_kwargs": {"tokens_list": (1, "ints"), "head_dim": (1, "int"), "page": (1, "int"),
+                                  "repeats": (1, "int")},
+              "tiers_kwargs": {"tokens_list": (1, "ints"), "head_dim": (1, "int"), "page": (1, "int"),
+                               "new": (1, "int"), "candidates": (1, "int"), "repeats": (1, "int"),
+                               "lookaheads": (1, "ints")}},
+    "e2e": {**_STREAM, "warmup_batches": (0, "int"), "pipelined_rounds": (1, "int")},
+    "lightning": dict(_STREAM),
+    "serve": {"num_requests": (1, "int"), "num_threads": (1, "int"), "max_queue_delay_us": (0, "int"),
+              "warmup_requests": (0, "int")},
+    "export": {"batch": (1, "int"), "history_len": (1, "int"), "new_events": (1, "int"), "candidates": (1, "int"),
+               "steps": (1, "int"), "warmup": (0, "int"), "page_size": (1, "int")},
+    "train": {"head_dims": (1, "ints"), "batch_sizes": (1, "ints"), "histories": (1, "ints"),
+              "stack_histories": (1, "ints"), "candidates": (1, "int"), "heads": (1, "int"), "hidden": (1, "int"),
+              "layers": (1, "int"), "repeats": (1, "int")},
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_options(suite: str, options: dict[str, Any], rules: dict[str, Any] | None = None,
+                  prefix: str | None = None) -> None:
+    """Refuse a suite's count or size that cannot run (`OPTION_RULES`) before any work, with a
+    ValueError naming the option as given on the command line and the rule, e.g.
+    ``host_overhead.repeats=-1: must be an int >= 1`` (a negative ``repeats`` used to end in
+    ``statistics.StatisticsError: no median for empty data`` after the set-up)."""
+    rules = OPTION_RULES.get(suite, {}) if rules is None else rules
+    prefix = suite if prefix is None else prefix
+    for key, rule in rules.items():
+        if key not in options or options[key] is None:
+            continue
+        value, name = options[key], f"{prefix}.{key}"
+        if isinstance(rule, dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"{name}={value!r}: must be a dict of options")
+            check_options(suite, value, rule, name)
+            continue
+        least, kind = rule
+        if kind == "int" and not (_is_int(value) and value >= least):
+            raise ValueError(f"{name}={value!r}: must be an int >= {least}")
+        if kind == "ints" and not (isinstance(value, (list, tuple)) and value
+                                   and all(_is_int(v) and v >= least for v in value)):
+            raise ValueError(f"{name}={value!r}: must be a non-empty list of ints >= {least}, e.g. {name}=[{least}]")
+    if prefix == suite and suite in ("host_overhead", "step_host"):
+        # the cached part is the history less the new tokens; step_host's stream needs one event of it
+        new, more = options.get("new_tokens", 128), int(suite == "step_host")
+        if any(h < new + more for h in options.get("history_lens") or ()):
+            raise ValueError(f"{suite}.history_lens={list(options['history_lens'])!r}: each must be "
+                             f"{'>' if more else '>='} {suite}.new_tokens={new} (the cached part is the history "
+                             f"less the new tokens)")
+
+
 def machine_description() -> str:
     cpu = platform.processor() or platform.machine()
     try:

@@ -168,6 +168,9 @@ def run(batch_sizes=(1, 2, 4, 8), num_users: int = 24, min_len: int = 256, max_l
     rows = []
     for bs in batch_sizes:
         batches = stream(bs, num_users, min_len, max_len, stride, num_candidates, interleave_users)
+        if len(batches) <= warmup_batches:
+            raise ValueError(f"e2e.warmup_batches={warmup_batches} leaves no batch to time: the stream has "
+                             f"{len(batches)} batches at batch size {bs}")
         kv = stream_cache_config(device, num_users, max_len, stride, layers, heads, head_dim, page_size)
         graph_cache, eager_cache = KVCacheModule(kv, "gpu"), KVCacheModule(kv, "gpu")
         engines = {"graph": RankingEngine(model, graph_cache, device, cuda_graphs=cuda),
