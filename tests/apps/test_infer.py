@@ -74,6 +74,16 @@ def test_half_precision_holds_the_cached_scores_to_the_fp32_recompute(tmp_path, 
     assert 0 < full < 0.1 and cached <= 2 * full and summary["equivalence"] == "PASS"  # bf16 ran; the rule held
     assert summary["max_abs_diff"] > 1e-5  # (the fp32 tolerance would have failed it)
     assert "max error vs fp32" in infer.format_table(summary)
+    # (the line said 'PASS (3.12e-02)' beside tolerance 1e-5: it names the rule it passed under)
+    line = next(x for x in infer.format_table(summary).splitlines() if x.startswith("equivalence"))
+    assert "PASS" in line and "bfloat16" in line and "2x" in line and "tolerance" not in line, line
+
+
+def test_the_equivalence_line_names_the_tolerance_it_passed_under(tmp_path):
+    opts = KVCacheOptions(backend="native", page_size=4, num_pages=96, host_cache_gb=0.002)
+    summary = infer.run(tiny_cfg(tmp_path, opts, max_batches=3, tolerance=2e-5), tmp_path / "out")
+    line = next(x for x in infer.format_table(summary).splitlines() if x.startswith("equivalence"))
+    assert "PASS" in line and "<= tolerance 2e-05" in line, line
 
 
 def test_half_precision_on_the_cpu_kernels(tmp_path):
