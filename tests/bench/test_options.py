@@ -32,11 +32,11 @@ def _nest(path, value):
     return value
 
 
-def test_the_uat_command_names_the_option_and_the_rule():
+def test_the_uat_command_names_the_option_and_the_rule(tmp_path):
     """``recipes.bench suite=host_overhead host_overhead.repeats=-1`` ended in ``statistics.StatisticsError:
     no median for empty data`` after setting up the cache (UAT #2)."""
     out = subprocess.run([sys.executable, "-m", "recipes.bench", "suite=host_overhead", "host_overhead.repeats=-1",
-                          "hydra.run.dir=."], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode != 0
     assert "ValueError: host_overhead.repeats=-1: must be an int >= 1" in out.stderr, out.stderr[-2000:]
     assert "StatisticsError" not in out.stderr
