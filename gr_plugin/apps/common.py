@@ -127,6 +127,29 @@ def command_line_tier_keys() -> set[str]:
     return keys
 
 
+#: the option that sizes each backend's host tier, as errors name it
+_HOST_OPTION = {"native": "kvcache.host_cache_gb", "flexkv": "kvcache.tiers.cpu_cache_gb"}
+#: torch's messages for a host allocation that failed (its CPU and pinned allocators)
+_HOST_ALLOC_ERRORS = ("can't allocate memory", "DefaultCPUAllocator", "CachingHostAllocator", "cudaHostAlloc")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of this machine's memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_host_memory(option: str, gb: float) -> None:
+    """A host tier of ``gb`` GiB (``option``) is allocated whole when the cache is built: one larger than
+    the machine's memory is refused here, by the option's name, not by torch's allocator later."""
+    total = _physical_memory()
+    if total is not None and gb * (1 << 30) > total:
+        raise ValueError(f"{option}={gb!r} asks for {gb:g} GiB of host memory; this machine has "
+                         f"{total / (1 << 30):.1f} GiB")
+
+
 def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: str) -> None:
     """Refuse bad ``kvcache`` values before any data, weights or training: the device cache's shape and
     capacity, ``host_cache_gb``, the tiers (a FlexKV YAML included) and an SSD directory that cannot be
@@ -147,6 +170,8 @@ def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: s
     except ValueError as exc:  # (the library's names for the options: KVCacheConfig.x, TierConfig.x)
         raise ValueError(str(exc).replace("KVCacheConfig.", "kvcache.").replace("TierConfig.", "kvcache.tiers.")
                          ) from exc
+    if opts.backend in _HOST_OPTION:
+        _check_host_memory(_HOST_OPTION[opts.backend], tiers.cpu_cache_gb if tiers else opts.host_cache_gb)
     if tiers is not None and tiers.ssd_cache_gb > 0:
         for d in tiers.ssd_cache_dirs:
             try:
@@ -209,7 +234,15 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
     cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                         page_size=opts.page_size, num_pages=opts.num_pages, dtype=opts.dtype or DTYPE_NAMES[dtype],
                         device=str(device), namespace=opts.namespace, host_cache_bytes=int(host_gb * (1 << 30)))
-    return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
+    try:
+        return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
+    except (RuntimeError, MemoryError) as exc:  # (below the machine's memory: others may hold it)
+        if backend not in _HOST_OPTION or not (isinstance(exc, MemoryError)
+                                               or any(m in str(exc) for m in _HOST_ALLOC_ERRORS)):
+            raise
+        raise ValueError(f"{_HOST_OPTION[backend]}={host_gb!r}: {host_gb:g} GiB of host memory could not be "
+                         f"allocated ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                         f"this machine has {(_physical_memory() or 0) / (1 << 30):.1f} GiB") from exc
 
 
 def cache_namespace(salt: str, module: HSTURankingModule) -> str:

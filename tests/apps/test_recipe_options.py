@@ -282,6 +282,11 @@ def _bad_tiers(tmp_path):
     (dict(backend="flexkv", tiers="ttl0"), r"kvcache\.tiers\.remote_ttl_s must be an int"),
     (dict(backend="flexkv", tiers="file"), r"kvcache\.tiers\.ssd_cache_dir='.*file/ssd' cannot be created"),
     (dict(backend="nativ"), r"kvcache\.backend must be one of .* got 'nativ'"),
+    # (a host tier larger than the machine: torch's 'alloc_cpu.cpp:127 ... can't allocate memory', late)
+    (dict(backend="native", host_cache_gb=1e7), r"kvcache\.host_cache_gb=10000000\.0 asks for 1e\+07 GiB of host "
+     r"memory; this machine has [0-9.]+ GiB"),
+    (dict(backend="flexkv", tiers="huge"), r"kvcache\.tiers\.cpu_cache_gb=10000000\.0 asks for 1e\+07 GiB of host "
+     r"memory; this machine has [0-9.]+ GiB"),
 ])
 def test_bad_kvcache_values_fail_before_data_weights_or_training(tmp_path, monkeypatch, opts, error):
     """A bad ``kvcache`` value used to surface only when the cache was built: after the data loaded and,
@@ -297,6 +302,8 @@ def test_bad_kvcache_values_fail_before_data_weights_or_training(tmp_path, monke
         opts["tiers"], opts["tier_config"] = TierConfig(), str(tmp_path / "tiers.yaml")
     elif opts.get("tiers") == "file":
         opts["tiers"] = _bad_tiers(tmp_path)
+    elif opts.get("tiers") == "huge":
+        opts["tiers"] = TierConfig(cpu_cache_gb=1e7)
     kv = KVCacheOptions(**opts)
     for module in (infer, train_app):
         monkeypatch.setattr(module, "make_datamodule", no_work)
@@ -441,3 +448,20 @@ def test_a_recipe_prints_each_lightning_line_once(tmp_path):
     printed = out.stdout + out.stderr
     assert printed.count("Seed set to 0") == 1 and printed.count("`Trainer.fit` stopped") == 1, printed[-3000:]
     assert (tmp_path / "run" / "train.log").read_text().count("Seed set to 0") == 1  # (and the run's log has it)
+
+
+@pytest.mark.parametrize("backend, option", [("native", "kvcache.host_cache_gb"),
+                                             ("flexkv", "kvcache.tiers.cpu_cache_gb")])
+def test_a_host_tier_that_cannot_be_allocated_is_named_by_its_option(tmp_path, monkeypatch, backend, option):
+    """Below the machine's memory an allocation can still fail (other processes hold it): torch's
+    allocator error is turned into one naming the option and the GiB asked for."""
+    from gr_plugin.apps import common
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(common, "KVCacheModule", no_memory)
+    opts = KVCacheOptions(backend=backend, page_size=4, num_pages=96, host_cache_gb=0.002)
+    with pytest.raises(ValueError, match=rf"{re.escape(option)}=.* GiB of host memory could not be allocated"):
+        common.make_cache(opts, tiny_cfg(tmp_path).model, torch.device("cpu"), torch.float32)
