@@ -12,9 +12,8 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
-from gr_plugin.apps.common import single_log_lines
+from gr_plugin.apps.common import config_object, single_log_lines
 from gr_plugin.cache.tiers.flexkv_config import redact
-from gr_plugin.configs.checked import to_object
 
 
 def override_columns(overrides: list[str]) -> dict[str, str]:
@@ -33,7 +32,7 @@ def override_columns(overrides: list[str]) -> dict[str, str]:
 def main(cfg) -> None:
     single_log_lines()
     hc = HydraConfig.get()
-    obj = to_object(cfg)
+    obj = config_object(cfg)
     if obj.results_csv is None:
         base = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.runtime.output_dir
         obj.results_csv = str(Path(base) / "results.csv")

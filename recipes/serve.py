@@ -12,15 +12,14 @@ import json
 import hydra
 
 import gr_plugin.configs.serve  # noqa: F401 - registers the schemas
-from gr_plugin.apps.common import single_log_lines
-from gr_plugin.configs.checked import to_object
+from gr_plugin.apps.common import config_object, single_log_lines
 from gr_plugin.serving import app
 
 
 @hydra.main(config_path="../conf", config_name="serve", version_base="1.3")
 def main(cfg) -> None:
     single_log_lines()
-    final = app.run(to_object(cfg))
+    final = app.run(config_object(cfg))
     print(json.dumps(final, indent=2, default=str))
 
 

@@ -14,8 +14,7 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import train
-from gr_plugin.apps.common import single_log_lines
-from gr_plugin.configs.checked import to_object
+from gr_plugin.apps.common import config_object, single_log_lines
 from gr_plugin.configs.schema import TrainConfig
 
 
@@ -23,7 +22,7 @@ from gr_plugin.configs.schema import TrainConfig
 def main(cfg) -> None:
     single_log_lines()
     hc = HydraConfig.get()
-    obj: TrainConfig = to_object(cfg)
+    obj: TrainConfig = config_object(cfg)
     given = any(o.split("=", 1)[0].lstrip("+~") == "ckpt_out" for o in hc.overrides.task)
     if hc.mode == RunMode.MULTIRUN and not given:
         # NOTE: the jobs of a sweep must not overwrite one another, nor the default that recipes.infer loads

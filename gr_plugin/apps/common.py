@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,6 +23,7 @@ from gr_plugin.cache import KVCacheConfig
 from gr_plugin.cache.config import DTYPE_NAMES, DTYPES
 from gr_plugin.cache.hashing import module_namespace
 from gr_plugin.cache.tiers.flexkv_config import TierConfig, load_tier_config, redact, tier_keys
+from gr_plugin.configs.checked import to_object
 from gr_plugin.configs.kvcache import BACKENDS, KVCacheOptions
 from gr_plugin.configs.schema import DataOptions, TrainerOptions
 from gr_plugin.data import RecDataModule
@@ -150,6 +153,43 @@ def _check_host_memory(option: str, gb: float) -> None:
                          f"{total / (1 << 30):.1f} GiB")
 
 
+def _option_names(message: str) -> str:
+    """A library error as the recipes' options name it: ``TierConfig.x`` -> ``kvcache.tiers.x``,
+    ``KVCacheConfig.x`` / ``KVCacheOptions.x`` -> ``kvcache.x``."""
+    for lib, option in (("TierConfig.", "kvcache.tiers."), ("KVCacheConfig.", "kvcache."),
+                        ("KVCacheOptions.", "kvcache.")):
+        message = message.replace(lib, option)
+    return message
+
+
+def config_object(cfg: Any) -> Any:
+    """A recipe's composed config as its dataclass (`to_object`: unknown keys refused); the tiers'
+    own checks, which run as the dataclasses are made, name the key the user set
+    (``kvcache.tiers.cpu_cache_gb``), not the library's class (``TierConfig.cpu_cache_gb``)."""
+    try:
+        return to_object(cfg)
+    except ValueError as exc:
+        named = _option_names(str(exc))
+        if named == str(exc):
+            raise
+        # (from None: Hydra would print both, the library's names, then these)
+        raise ValueError(named) from None
+
+
+def _check_ssd_size(tiers: TierConfig, page_bytes: int) -> None:
+    """``kvcache.tiers.ssd_cache_gb`` holds at least one page (with its header, aligned) of this cache."""
+    from gr_plugin.cache.tiers.ssd import ALIGN, MAX_HEADER_BYTES, slot_count
+
+    try:
+        slot_count(tiers.ssd_cache_bytes, page_bytes)
+    except ValueError:  # (was: 'SSDPageStore.capacity_bytes=... holds no slot', when the cache was built)
+        slot = -(-(page_bytes + MAX_HEADER_BYTES) // ALIGN) * ALIGN
+        least = math.ceil(slot / (1 << 30) * 1e6) / 1e6
+        raise ValueError(f"kvcache.tiers.ssd_cache_gb={tiers.ssd_cache_gb!r} holds no page: one takes {slot} bytes "
+                         f"on SSD at this model and kvcache.page_size; set it to 0 (no SSD tier) or to at least "
+                         f"{least:g} GiB") from None
+
+
 def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: str) -> None:
     """Refuse bad ``kvcache`` values before any data, weights or training: the device cache's shape and
     capacity, ``host_cache_gb``, the tiers (a FlexKV YAML included) and an SSD directory that cannot be
@@ -161,18 +201,22 @@ def check_cache_options(opts: KVCacheOptions | None, model: HSTUConfig, dtype: s
     if opts.backend == "none":
         return
     try:
-        KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
+        cfg = KVCacheConfig(num_layers=model.num_layers, num_heads=model.num_heads, head_dim=model.head_dim,
                       page_size=opts.page_size, num_pages=opts.num_pages,
                       # (a bad model dtype: model_dtype's error, named dtype)
                       dtype=opts.dtype or (dtype if dtype in DTYPES else "float32"),
                       namespace=opts.namespace)
         tiers = _merged_tiers(opts)[0] if opts.backend == "flexkv" else None
     except ValueError as exc:  # (the library's names for the options: KVCacheConfig.x, TierConfig.x)
-        raise ValueError(str(exc).replace("KVCacheConfig.", "kvcache.").replace("TierConfig.", "kvcache.tiers.")
-                         ) from exc
+        raise ValueError(_option_names(str(exc))) from None  # (not the library's names too)
     if opts.backend in _HOST_OPTION:
-        _check_host_memory(_HOST_OPTION[opts.backend], tiers.cpu_cache_gb if tiers else opts.host_cache_gb)
+        option, gb = _HOST_OPTION[opts.backend], tiers.cpu_cache_gb if tiers else opts.host_cache_gb
+        if not gb > 0:  # (was: 'a lower-tier backend needs host_cache_bytes > 0', when the cache was built)
+            raise ValueError(f"{option}={gb!r}: the {opts.backend} backend needs a host tier (> 0 GiB; "
+                             "+kvcache=gpu is the device pages alone)")
+        _check_host_memory(option, gb)
     if tiers is not None and tiers.ssd_cache_gb > 0:
+        _check_ssd_size(tiers, cfg.page_bytes)
         for d in tiers.ssd_cache_dirs:
             try:
                 Path(d).mkdir(parents=True, exist_ok=True)

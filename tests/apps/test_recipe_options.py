@@ -465,3 +465,43 @@ def test_a_host_tier_that_cannot_be_allocated_is_named_by_its_option(tmp_path, m
     opts = KVCacheOptions(backend=backend, page_size=4, num_pages=96, host_cache_gb=0.002)
     with pytest.raises(ValueError, match=rf"{re.escape(option)}=.* GiB of host memory could not be allocated"):
         common.make_cache(opts, tiny_cfg(tmp_path).model, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("override, error", [
+    ("kvcache.tiers.cpu_cache_gb=-1", r"^kvcache\.tiers\.cpu_cache_gb must be a finite number >= 0, got -1"),
+    ("kvcache.tiers.write_policy=x", r"^kvcache\.tiers\.write_policy must be one of .*, got 'x'"),
+    ("kvcache.tiers.remote_url=http://h:1", r"^kvcache\.tiers\.remote_url must be a redis://"),
+    ("kvcache.tiers.remote_ttl_s=0", r"^kvcache\.tiers\.remote_ttl_s must be an int .*got 0"),
+    ("kvcache.tiers.task_timeout_s=0", r"^kvcache\.tiers\.task_timeout_s must be a number > 0, got 0"),
+])
+@pytest.mark.parametrize("recipe", ["infer", "train", "serve"])
+def test_a_bad_tier_value_is_named_by_its_kvcache_key(recipe, override, error):
+    """The tiers' own check ran as the config became objects and named the library's class
+    (``TierConfig.cpu_cache_gb must be ...``), not the key the user set."""
+    from gr_plugin.apps.common import config_object
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name=recipe, overrides=([] if recipe == "serve" else ["+kvcache=flexkv"]) + [override])
+        with pytest.raises(ValueError, match=error):
+            config_object(cfg)
+
+
+@pytest.mark.parametrize("opts, error", [
+    (dict(backend="flexkv", tiers=dict(ssd_cache_gb=0.00001, ssd_cache_dir="SSD")),
+     r"^kvcache\.tiers\.ssd_cache_gb=1e-05 holds no page: .* at least [0-9.e-]+ GiB"),
+    (dict(backend="flexkv", tiers=dict(cpu_cache_gb=0.0)),
+     r"^kvcache\.tiers\.cpu_cache_gb=0\.0: the flexkv backend needs a host tier \(> 0 GiB"),
+    (dict(backend="native", host_cache_gb=0.0), r"^kvcache\.host_cache_gb=0\.0: the native backend needs a host tier"),
+])
+def test_tier_sizes_the_cache_cannot_use_are_named_by_their_key(tmp_path, opts, error):
+    """``ssd_cache_gb=0.00001`` said ``SSDPageStore.capacity_bytes=10737 holds no slot ...`` and
+    ``cpu_cache_gb=0`` ``a lower-tier backend needs host_cache_bytes > 0``, both after the data loaded."""
+    from gr_plugin.apps.common import check_cache_options
+    from gr_plugin.cache.tiers import TierConfig
+
+    opts = dict(opts)
+    if "tiers" in opts:
+        opts["tiers"] = TierConfig(**{k: str(tmp_path / v) if k == "ssd_cache_dir" else v
+                                      for k, v in opts["tiers"].items()})
+    with pytest.raises(ValueError, match=error):
+        check_cache_options(KVCacheOptions(**opts), tiny_cfg(tmp_path).model, "float32")
