@@ -280,6 +280,12 @@ def make_cache(opts: KVCacheOptions, model: HSTUConfig, device: torch.device,
                         device=str(device), namespace=opts.namespace, host_cache_bytes=int(host_gb * (1 << 30)))
     try:
         return KVCacheModule(cfg, backend, write_through=opts.write_through, tiers=tiers)
+    except ValueError as exc:  # (another run's SSD store holds the directory: say what to change)
+        if "in use by another store" not in str(exc):
+            raise
+        raise ValueError(f"{exc}; set kvcache.tiers.ssd_cache_dir to a directory of its own for this run "
+                         f"(kvcache.tiers.ssd_cache_dir={tiers.ssd_cache_dir!r} now), or wait for the other "
+                         "run to end") from None
     except (RuntimeError, MemoryError) as exc:  # (below the machine's memory: others may hold it)
         if backend not in _HOST_OPTION or not (isinstance(exc, MemoryError)
                                                or any(m in str(exc) for m in _HOST_ALLOC_ERRORS)):

@@ -505,3 +505,21 @@ def test_tier_sizes_the_cache_cannot_use_are_named_by_their_key(tmp_path, opts, 
                                       for k, v in opts["tiers"].items()})
     with pytest.raises(ValueError, match=error):
         check_cache_options(KVCacheOptions(**opts), tiny_cfg(tmp_path).model, "float32")
+
+
+def test_an_ssd_dir_another_run_holds_says_which_option_to_change(tmp_path):
+    """Two runs in one directory clashed on the default SSD dir with 'is in use by another store:
+    [Errno 11]', which did not say what to change."""
+    from gr_plugin.apps.common import make_cache
+    from gr_plugin.cache.tiers import TierConfig
+
+    tiers = TierConfig(cpu_cache_gb=0.002, ssd_cache_gb=0.01, ssd_cache_dir=str(tmp_path / "ssd"))
+    opts = KVCacheOptions(backend="flexkv", page_size=4, num_pages=96, tiers=tiers)
+    model = tiny_cfg(tmp_path).model
+    first = make_cache(opts, model, torch.device("cpu"), torch.float32)
+    try:
+        with pytest.raises(ValueError, match=r"in use by another store.*set kvcache\.tiers\.ssd_cache_dir to a "
+                                             r"directory of its own"):
+            make_cache(opts, model, torch.device("cpu"), torch.float32)
+    finally:
+        first.manager.close()
