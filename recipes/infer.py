@@ -12,7 +12,7 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
-from gr_plugin.apps.common import config_object, single_log_lines
+from gr_plugin.apps.common import config_object, mask_passwords, single_log_lines
 from gr_plugin.cache.tiers.flexkv_config import redact
 
 
@@ -48,4 +48,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    mask_passwords()  # (before Hydra: it prints a failed job's overrides, a URL's password included)
     main()

@@ -12,7 +12,7 @@ import json
 import hydra
 
 import gr_plugin.configs.serve  # noqa: F401 - registers the schemas
-from gr_plugin.apps.common import config_object, single_log_lines
+from gr_plugin.apps.common import config_object, mask_passwords, single_log_lines
 from gr_plugin.serving import app
 
 
@@ -24,4 +24,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    mask_passwords()  # (before Hydra: it prints a failed job's overrides, a URL's password included)
     main()

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +46,52 @@ def single_log_lines() -> None:
         for handler in list(log.handlers):
             if type(handler) is logging.StreamHandler:
                 log.removeHandler(handler)
+
+
+class _MaskedStream:
+    """A text stream whose writes show every URL's credentials as ``***@`` (`redact`)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text):
+        self._stream.write(redact(text) if isinstance(text, str) else text)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def mask_passwords() -> None:
+    """No password of a URL is printed by a recipe's process. Hydra prints a failed job's overrides
+    (``Error executing job with overrides: [...]``) with ``sys.stderr.write``, ``--cfg`` prints the
+    config with ``print``, and a sweep logs each job's overrides: the recipes' own lines already
+    `redact`, these did not. Wraps ``sys.stdout`` / ``sys.stderr`` (Hydra's console handler writes to
+    the stream it finds at set-up) and makes every log record's message `redact`ed (so the run's .log
+    file too). Called by each recipe before Hydra starts (its ``__main__``), not on import. Not covered:
+    bytes written to the file descriptors directly (``sys.stderr.buffer``, C code), and Hydra's own
+    files under the run's ``.hydra/`` directory, which hold the overrides as given."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _MaskedStream):
+            setattr(sys, name, _MaskedStream(stream))
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "masks_passwords", False):
+        return
+
+    def masked_record(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # (a malformed record: its handler reports it, as before)
+            return record
+        shown = redact(message)
+        if shown != message:
+            record.msg, record.args = shown, ()
+        return record
+
+    masked_record.masks_passwords = True
+    logging.setLogRecordFactory(masked_record)
 
 
 def pick_device(name: str) -> torch.device:

@@ -523,3 +523,17 @@ def test_an_ssd_dir_another_run_holds_says_which_option_to_change(tmp_path):
             make_cache(opts, model, torch.device("cpu"), torch.float32)
     finally:
         first.manager.close()
+
+
+@pytest.mark.parametrize("mode", [[], ["-m"]])
+def test_a_failed_run_prints_no_password_of_its_overrides(tmp_path, mode):
+    """Hydra writes 'Error executing job with overrides: [...]' (sys.stderr.write, not logging) on any
+    failed job, and a sweep logs each job's overrides: a Redis URL's password was printed in both."""
+    url = "kvcache.tiers.remote_url=redis://:hunter2pw@127.0.0.1:6399/0"
+    cmd = [sys.executable, "-m", "recipes.infer", *mode, "+kvcache=flexkv", url, "tolerance=-1",
+           f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0 and "tolerance must be" in printed, printed[-3000:]
+    assert "Error executing job with overrides" in printed and "://***@127.0.0.1" in printed
+    assert "hunter2pw" not in printed, printed[-3000:]
