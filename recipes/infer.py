@@ -3,6 +3,7 @@ e.g. ``python -m recipes.infer -m +kvcache=native kvcache.page_size=16,32 data.b
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -12,7 +13,7 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import infer
-from gr_plugin.apps.common import config_object, mask_passwords, single_log_lines
+from gr_plugin.apps.common import config_object, mask_passwords, refuse_cache_keys_without_cache, single_log_lines
 from gr_plugin.cache.tiers.flexkv_config import redact
 
 
@@ -49,4 +50,5 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     mask_passwords()  # (before Hydra: it prints a failed job's overrides, a URL's password included)
+    refuse_cache_keys_without_cache(sys.argv[1:])  # (Hydra's error: 'Unexpected type for root: NoneType')
     main()

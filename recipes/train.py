@@ -6,6 +6,7 @@ unless ``ckpt_out`` is given on the command line."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -14,7 +15,7 @@ from hydra.types import RunMode
 
 import gr_plugin.configs.schema  # noqa: F401 - registers the schemas
 from gr_plugin.apps import train
-from gr_plugin.apps.common import config_object, mask_passwords, single_log_lines
+from gr_plugin.apps.common import config_object, mask_passwords, refuse_cache_keys_without_cache, single_log_lines
 from gr_plugin.configs.schema import TrainConfig
 
 
@@ -35,4 +36,5 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     mask_passwords()  # (before Hydra: it prints a failed job's overrides, a URL's password included)
+    refuse_cache_keys_without_cache(sys.argv[1:])  # (Hydra's error: 'Unexpected type for root: NoneType')
     main()

@@ -94,6 +94,27 @@ def mask_passwords() -> None:
     logging.setLogRecordFactory(masked_record)
 
 
+def refuse_cache_keys_without_cache(argv: list[str]) -> None:
+    """A recipe whose config has no ``kvcache`` (infer, train) given ``kvcache.<key>=...`` overrides but no
+    ``+kvcache=<option>``: Hydra fails composing with 'AssertionError: Unexpected type for root: NoneType'
+    and a traceback. Exits with a message saying to choose a cache first. ``argv``: the command line's
+    arguments; only its overrides (``key=value``, not ``-`` flags) are read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # (Hydra says what is wrong with an override it cannot parse)
+        return
+    if any(o.key_or_group == "kvcache" and not o.is_delete() for o in parsed):
+        return
+    keys = [o.input_line for o in parsed if o.key_or_group.startswith("kvcache.")]
+    if keys:
+        raise SystemExit(f"{redact(', '.join(keys))}: no cache is chosen to take "
+                         f"{'these' if len(keys) > 1 else 'this'}; choose a cache first with "
+                         f"+kvcache=<none|gpu|native|flexkv> (e.g. +kvcache=native {redact(keys[0])})")
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

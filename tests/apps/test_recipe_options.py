@@ -537,3 +537,23 @@ def test_a_failed_run_prints_no_password_of_its_overrides(tmp_path, mode):
     assert out.returncode != 0 and "tolerance must be" in printed, printed[-3000:]
     assert "Error executing job with overrides" in printed and "://***@127.0.0.1" in printed
     assert "hunter2pw" not in printed, printed[-3000:]
+
+
+@pytest.mark.parametrize("recipe", ["infer", "train"])
+def test_cache_keys_without_a_cache_ask_to_choose_one(recipe):
+    """``recipes.infer kvcache.page_size=16`` (no +kvcache=...) ended in Hydra's raw traceback
+    'AssertionError: Unexpected type for root: NoneType'."""
+    out = subprocess.run([sys.executable, "-m", f"recipes.{recipe}", "kvcache.page_size=16"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Unexpected type for root" not in out.stderr, out.stderr[-3000:]
+    assert "kvcache.page_size=16" in out.stderr and "+kvcache=<none|gpu|native|flexkv>" in out.stderr
+
+
+def test_cache_keys_with_a_cache_chosen_pass_the_pre_check():
+    from gr_plugin.apps.common import refuse_cache_keys_without_cache
+
+    for argv in (["+kvcache=native", "kvcache.page_size=16"], ["-m", "+kvcache=native,flexkv", "kvcache.page_size=8"],
+                 ["data.batch_size=4"], ["--cfg", "job"]):
+        refuse_cache_keys_without_cache(argv)
+    with pytest.raises(SystemExit, match=r"kvcache\.tiers\.cpu_cache_gb=2.*choose a cache first"):
+        refuse_cache_keys_without_cache(["kvcache.tiers.cpu_cache_gb=2"])
