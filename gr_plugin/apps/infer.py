@@ -224,6 +224,10 @@ def run(cfg: InferConfig, out_dir: Path, columns: dict[str, Any] | None = None) 
                 evicted_users=stats["evicted_users"], onboard_bytes=stats["onboard_bytes"],
                 offload_bytes=stats["offload_bytes"], fallbacks=sum(bool(r.get("fell_back")) for r in rows),
             )
+            if engine_name == "flexkv" and cache.manager.backend.tiers.enable_3rd_remote:
+                # (with fail_open an outage reads as misses: 'remote 0.0%' alone looks like no pages)
+                summary.update(remote_errors=stats.get("remote_errors", 0),
+                               remote_skipped_while_down=stats.get("remote_skipped_while_down", 0))
             if "full_ms_mean" in summary:
                 summary["speedup_mean"] = summary["full_ms_mean"] / summary["cached_ms_mean"]
                 if "cached_ms_p50_returning" in summary:
@@ -347,6 +351,8 @@ def format_table(summary: dict[str, Any]) -> str:
          f"{f('hit_rate_ssd', '{:.1%}')} / {f('hit_rate_remote', '{:.1%}')}"),
         ("lower-tier read tasks (timed out, mean ms)",
          f"{f('tier_tasks')} ({f('tier_task_timeouts')}, {f('tier_task_ms_mean')})"),
+        *([("remote tier: errors / requests skipped while down",
+             f"{f('remote_errors')} / {f('remote_skipped_while_down')}")] if "remote_errors" in summary else []),
         ("history tokens reused / computed", f"{f('tokens_reused')} / {f('tokens_computed')}"),
         ("latency ms p50 / p99, cached", f"{f('cached_ms_p50')} / {f('cached_ms_p99')}"),
         ("latency ms p50 / p99, full recompute", f"{f('full_ms_p50')} / {f('full_ms_p99')}"),

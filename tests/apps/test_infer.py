@@ -155,3 +155,21 @@ def test_a_cache_option_warning_is_given_once(tmp_path):
     assert summary["kvcache"] == "native"
     assert [str(w.message) for w in caught if "backend 'native' ignores them" in str(w.message)] != []
     assert len([w for w in caught if "backend 'native' ignores them" in str(w.message)]) == 1
+
+
+def test_a_remote_tier_outage_is_counted_in_the_summary_and_table(tmp_path):
+    """With fail_open the run went on through a Redis outage and showed only 'remote 0.0%', as if the
+    tier had no pages; the summary and the table now count its errors."""
+    from gr_plugin.cache.tiers import TierConfig
+
+    tiers = TierConfig(cpu_cache_gb=0.0005, enable_3rd_remote=True, remote_url="redis://127.0.0.1:1/0",
+                       fail_open=True, task_timeout_s=2.0)
+    opts = KVCacheOptions(backend="flexkv", page_size=4, num_pages=96, tiers=tiers)
+    summary = infer.run(tiny_cfg(tmp_path, opts, max_batches=12), tmp_path / "out")
+    assert summary["equivalence"] == "PASS" and summary["hit_rate_remote"] == 0
+    assert summary["remote_errors"] + summary["remote_skipped_while_down"] > 0, summary
+    line = next(x for x in infer.format_table(summary).splitlines() if x.startswith("remote tier"))
+    assert f"{summary['remote_errors']} / {summary['remote_skipped_while_down']}" in line
+    none = infer.run(tiny_cfg(tmp_path, KVCacheOptions(backend="native", page_size=4, num_pages=96,
+                                                       host_cache_gb=0.002), max_batches=2), tmp_path / "out2")
+    assert "remote_errors" not in none and "remote tier" not in infer.format_table(none)
