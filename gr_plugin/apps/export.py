@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 def run(cfg: ExportConfig, out_dir: Path, package: str | None = None) -> dict[str, Any]:
+    if cfg.kvcache is not None and cfg.kvcache.backend == "none":
+        # (it used to fail after loading the weights: 'NoneType' object has no attribute 'close')
+        raise ValueError("recipes.export exports the cached model, and +kvcache=none has no cache: choose "
+                         "+kvcache=gpu, native or flexkv (or no +kvcache: gpu)")
     check_options(cfg)
     device = pick_device(cfg.device)
     dm = make_datamodule(cfg.data)

@@ -29,3 +29,13 @@ def test_export_help_says_how_to_run_it_and_hides_the_schema_group():
     for key in ("ckpt_path", "device", "max_batches", "stream", "tolerance", "stage", "compare", "dtype", "seed",
                 "warmup_batches", "results_csv"):  # (every key the help names is one of the config's)
         assert key in usage and key in config, key
+
+
+def test_export_refuses_kvcache_none_before_any_work(tmp_path):
+    """``recipes.export +kvcache=none`` failed after loading the weights with "'NoneType' object has no
+    attribute 'close'" (there is no cache to export)."""
+    out = subprocess.run([sys.executable, "-m", "recipes.export", "+kvcache=none", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode != 0
+    assert "+kvcache=none has no cache: choose +kvcache=gpu, native or flexkv" in out.stderr
+    assert "NoneType" not in out.stderr and not (tmp_path / "cached_model.pt2").exists()
