@@ -508,6 +508,14 @@ def test_redis_lost_between_lookup_and_read_is_a_miss_or_an_error(tmp_path, redi
     m.close()
 
 
+def _until_no_task(m, step=None, timeout_s=5.0):
+    """Call ``step`` (default: a poll) until no read task is in flight (at most ``timeout_s``)."""
+    deadline = time.time() + timeout_s
+    while m.stats()["tasks_in_flight"] and time.time() < deadline:
+        (step or m.offload_try_wait)()
+        time.sleep(0.01)
+
+
 class SlowStore:
     """The real SSD store, with reads held back until ``release`` is set."""
 
@@ -540,10 +548,7 @@ def test_a_task_that_times_out_is_a_miss_or_an_error(tmp_path, fail_open):
             m.allocate(lk)
     assert m.stats()["tasks_timed_out"] == 1
     slow.release.set()
-    deadline = time.time() + 5
-    while m.stats()["tasks_in_flight"] and time.time() < deadline:
-        m.offload_try_wait()
-        time.sleep(0.01)
+    _until_no_task(m)
     m.backend._ssd = slow.inner
     settle(m)
     m.check()  # the timed-out task's slots were released, nothing leaked
@@ -568,10 +573,7 @@ def test_a_write_through_that_finishes_before_an_older_fetch_of_the_user_waits_f
     m.offload_flush()  # page 4's copy is done: it waits for the fetch, no error
     assert m.backend.pages_of((m.namespace, 1)) == []
     slow.release.set()
-    deadline = time.time() + 5
-    while m.stats()["tasks_in_flight"] and time.time() < deadline:
-        m.offload_try_wait()
-        time.sleep(0.01)
+    _until_no_task(m)
     m.backend._ssd = slow.inner
     settle(m)
     assert len(m.backend.pages_of((m.namespace, 1))) == 5 and m.stats()["host_slots_used"] == 5
@@ -656,10 +658,7 @@ def test_a_failed_read_finished_by_another_call_still_fails_a_fail_closed_alloca
     m.backend._ssd = BrokenStore(m.backend._ssd)
     lk = m.lookup(CacheRequest([1, 2], [9, 9], torch.cat([history_tokens(1, 9), history_tokens(2, 9)])))
     assert lk.tier_tokens["ssd"] == [8, 8]
-    deadline = time.time() + 5
-    while m.stats()["tasks_in_flight"] and time.time() < deadline:
-        m.offload_try_wait() if between == "offload_try_wait" else m.evict([2], all_tiers=True)
-        time.sleep(0.01)
+    _until_no_task(m, m.offload_try_wait if between == "offload_try_wait" else lambda: m.evict([2], all_tiers=True))
     assert m.stats()["tasks_failed"] == 1
     with pytest.raises(TierReadError, match="ended 'failed'"):
         m.allocate(lk)
